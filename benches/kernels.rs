@@ -1,0 +1,97 @@
+//! Kernel benchmarks: decode-shaped linears (bandwidth bound, reported as GB/s of weights and
+//! activations read), a prefill-shaped linear, and decode paged attention.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use half::bf16;
+use std::hint::black_box;
+use std::time::Duration;
+use strata_rs::model::kernels::cpu::attention::{paged_attention, AttnRow, KvLayer};
+use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
+use strata_rs::model::kernels::cpu::{MatRef, WeightData};
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    // Deterministic, cheap, bounded: a scrambled counter.
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+fn bench_linear(c: &mut Criterion) {
+    let mut g = c.benchmark_group("linear_bf16");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    let threads = rayon::current_num_threads();
+    for &(n, m, k) in &[
+        (1usize, 1536usize, 576usize),
+        (1, 576, 1536),
+        (1, 49152, 576),
+        (512, 1536, 576),
+    ] {
+        let w: Vec<bf16> = values(m * k, 1).into_iter().map(bf16::from_f32).collect();
+        let x = values(n * k, 2);
+        let mut y = vec![0.0f32; n * m];
+        let mut scratch = MatmulScratch::new(threads, k);
+        let mat = MatRef {
+            data: WeightData::Bf16(&w),
+            rows: m,
+            cols: k,
+        };
+        g.throughput(Throughput::Bytes((m * k * 2 + n * k * 4) as u64));
+        g.bench_function(format!("n{n}_{m}x{k}"), |b| {
+            b.iter(|| linear(black_box(&x), n, mat, None, &mut y, &mut scratch))
+        });
+    }
+    g.finish();
+}
+
+fn bench_attention(c: &mut Criterion) {
+    let mut g = c.benchmark_group("paged_attention_decode");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    let (n_heads, kv_heads, head_dim, block_size) = (9usize, 3usize, 64usize, 16usize);
+    for &ctx in &[512usize, 2048] {
+        let blocks = ctx.div_ceil(block_size);
+        let len = blocks * block_size * kv_heads * head_dim;
+        let (k, v) = (values(len, 3), values(len, 4));
+        // Reversed block order: a non-contiguous table like a real pool's.
+        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let kv = KvLayer {
+            k: &k,
+            v: &v,
+            block_size,
+            kv_heads,
+            head_dim,
+        };
+        let rows = [AttnRow {
+            pos: (ctx - 1) as u32,
+            table_start: 0,
+            table_len: blocks as u32,
+        }];
+        let q = values(n_heads * head_dim, 5);
+        let mut out = vec![0.0f32; n_heads * head_dim];
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        g.throughput(Throughput::Bytes(
+            (2 * ctx * kv_heads * head_dim * 4) as u64,
+        ));
+        g.bench_function(format!("ctx{ctx}"), |b| {
+            b.iter(|| {
+                paged_attention(
+                    black_box(&q),
+                    &rows,
+                    &tables,
+                    &kv,
+                    n_heads,
+                    scale,
+                    None,
+                    &mut out,
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_linear, bench_attention);
+criterion_main!(benches);

@@ -1,0 +1,1 @@
+"""Benchmark helpers: GGUF export and peer engines (optional `gguf`/`llama-cpp-python`)."""

@@ -1,0 +1,515 @@
+"""Export a Hugging Face Llama-family model folder to GGUF for llama.cpp.
+
+Used to run the same weights through llama.cpp as a benchmark peer.  Written
+from the GGUF specification and the `gguf` package's writer API; it handles
+what `strata_rs.testing.models.make_model` writes and the equivalent real
+checkpoints:
+
+* model_type llama / mistral -> GGUF arch "llama" (q/k rows permuted, see
+  `_neox_to_interleaved`), qwen2 -> "qwen2", qwen3 -> "qwen3".
+* RoPE scaling: none, "linear", and "llama3" (as a `rope_freqs` tensor).
+  Anything else raises ValueError rather than silently computing another
+  function.
+* Byte-level BPE tokenizers (tokenizer.json) with a pre-tokenizer whose
+  regex llama.cpp knows under a name (see `_PRE_TOKENIZERS`).
+
+`gguf` is an optional dependency (the `bench` extra); it is imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import gguf
+
+# HF model_type -> GGUF architecture name.
+_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# Output dtypes of 2-D weight matrices; 1-D tensors (norms, biases) stay f32.
+_DTYPES = ("bf16", "f16", "f32")
+
+# Pre-tokenizer regexes of tokenizer.json `Split` steps, keyed to the name
+# llama.cpp's loader maps to the same regex.  The plain ByteLevel
+# pre-tokenizer (use_regex=true) is GPT-2's regex, which llama.cpp calls
+# "gpt-2"; note that its "default" is a *different* regex set.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
+_GPT2_PRE = "gpt-2"
+
+_ST_NUMPY = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+
+
+# --------------------------------------------------------------------------
+# safetensors
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {model_dir}")
+    return [single]
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+    """(name, safetensors dtype, array) per tensor, memory-mapped.
+
+    Read by hand rather than with safetensors.numpy because numpy has no
+    bfloat16: BF16 tensors come back as their raw uint16 bit patterns.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        st_dtype = info["dtype"]
+        if st_dtype not in _ST_NUMPY:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {st_dtype}")
+        begin, end = info["data_offsets"]
+        arr = data[begin:end].view(_ST_NUMPY[st_dtype]).reshape(info["shape"])
+        yield name, st_dtype, arr
+
+
+def _to_f32(st_dtype: str, arr: np.ndarray) -> np.ndarray:
+    if st_dtype == "BF16":
+        # bf16 is the upper half of an f32.
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.astype(np.float32)
+
+
+def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even f32 -> bf16 bit patterns (NaN stays NaN)."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    # Add 0x7FFF plus the lowest kept bit: ties round to even.  No overflow
+    # in uint32 for any non-NaN input; NaNs are patched afterwards.
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = 0x7FC0 | ((bits[nan] >> 16).astype(np.uint16) & 0x8000)
+    return rounded
+
+
+# --------------------------------------------------------------------------
+# config
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    head_dim = config.get("head_dim")
+    if head_dim:
+        return int(head_dim)
+    return int(config["hidden_size"]) // int(config["num_attention_heads"])
+
+
+def _rope_scaling(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None), accepting transformers 4 and 5 layouts."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = float(config.get("rope_theta", 10000.0))
+        raw = config.get("rope_scaling")
+        scaling = dict(raw) if raw else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _llama3_freq_factors(theta: float, head_dim: int, scaling: Mapping[str, Any]) -> np.ndarray:
+    """Per-frequency divisors that turn plain RoPE into Llama 3 scaled RoPE.
+
+    llama.cpp rotates pair i by pos * theta^(-2i/d) / factors[i], so the
+    factor is the ratio of the unscaled to the scaled inverse frequency.
+    """
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2.0 * math.pi / base
+    # Wavelengths longer than old_ctx/low are slowed by `factor`, shorter
+    # than old_ctx/high kept, and the band in between interpolated.
+    smooth = np.clip((old_ctx / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1.0 - smooth) * base / factor + smooth * base
+    return (base / scaled).astype(np.float32)
+
+
+def _check_supported(config: Mapping[str, Any]) -> str:
+    model_type = config.get("model_type")
+    if model_type not in _ARCH:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the GGUF export "
+            f"(supported: {', '.join(_ARCH)})"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
+    window = config.get("sliding_window")
+    if model_type == "mistral" and window is not None:
+        # GGUF arch "llama" has no sliding-window attention.
+        if int(window) < int(config["max_position_embeddings"]):
+            raise ValueError(
+                f"mistral sliding_window={window} cannot be expressed in GGUF arch 'llama'"
+            )
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window", False):
+        raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+    if config.get("mlp_bias", False):
+        raise ValueError("mlp_bias=true is not supported")
+    return _ARCH[model_type]
+
+
+# --------------------------------------------------------------------------
+# tensors
+
+
+def _neox_to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder q/k projection rows from HF's rotate_half RoPE layout to GGUF's.
+
+    HF Llama rotates dimension j of each head with j + head_dim/2; llama.cpp's
+    "llama" arch rotates adjacent pairs (2j, 2j+1).  Moving row j to 2j and
+    row j + head_dim/2 to 2j+1 makes llama.cpp compute the same attention.
+    Works on weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    head_dim = rows // n_head
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _gguf_name(hf_name: str) -> str | None:
+    """GGUF tensor name for an HF tensor name (None: not exported)."""
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in fixed:
+        return fixed[hf_name]
+    if not hf_name.startswith("model.layers."):
+        return None
+    layer, _, rest = hf_name[len("model.layers.") :].partition(".")
+    suffix = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.o_proj.bias": "attn_output.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }.get(rest)
+    if suffix is None:
+        return None
+    return f"blk.{int(layer)}.{suffix}"
+
+
+def _add_tensors(
+    writer: gguf.GGUFWriter, model_dir: Path, config: Mapping[str, Any], arch: str, dtype: str
+) -> None:
+    from gguf import GGMLQuantizationType
+
+    tied = bool(config.get("tie_word_embeddings", False))
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_head)
+    seen: set[str] = set()
+    for path in _safetensors_files(model_dir):
+        for hf_name, st_dtype, arr in _iter_safetensors(path):
+            name = _gguf_name(hf_name)
+            if name is None:
+                if "rotary_emb" in hf_name:
+                    continue  # old checkpoints store derived inv_freq buffers
+                raise ValueError(f"unexpected tensor {hf_name!r} in {path.name}")
+            if name == "output.weight" and tied:
+                # A tied checkpoint may still carry lm_head; llama.cpp reuses
+                # token_embd when `output` is absent, matching transformers.
+                continue
+            if arch == "llama" and ".attn_q." in name:
+                arr = _neox_to_interleaved(arr, n_head)
+            elif arch == "llama" and ".attn_k." in name:
+                arr = _neox_to_interleaved(arr, n_kv)
+            seen.add(name)
+            if arr.ndim == 1 or dtype == "f32":
+                writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr)))
+            elif dtype == "f16":
+                writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr), "<f2"))
+            else:
+                # bf16 sources are copied bit for bit; others rounded.
+                bits = (
+                    np.ascontiguousarray(arr)
+                    if st_dtype == "BF16"
+                    else _f32_to_bf16_bits(_to_f32(st_dtype, arr))
+                )
+                writer.add_tensor(name, bits, raw_dtype=GGMLQuantizationType.BF16)
+    required = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
+    missing = required - seen
+    if missing:
+        raise ValueError(f"missing tensors in {model_dir}: {sorted(missing)}")
+
+
+# --------------------------------------------------------------------------
+# tokenizer
+
+
+def _pre_tokenizer_name(tok: Mapping[str, Any]) -> str:
+    pre = tok.get("pre_tokenizer")
+    if pre is None:
+        raise ValueError("tokenizer.json has no pre_tokenizer; not a byte-level BPE")
+    steps = pre["pretokenizers"] if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["ByteLevel"]:
+        if steps[0].get("add_prefix_space", False):
+            raise ValueError("ByteLevel add_prefix_space=true is not supported")
+        if not steps[0].get("use_regex", True):
+            raise ValueError("ByteLevel without a splitting regex is not supported")
+        return _GPT2_PRE
+    if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
+        pattern = steps[0].get("pattern", {})
+        regex = pattern.get("Regex") if isinstance(pattern, Mapping) else None
+        if regex in _PRE_TOKENIZERS:
+            return _PRE_TOKENIZERS[regex]
+    raise ValueError(
+        f"unrecognised pre-tokenizer {json.dumps(pre)[:200]}; pass pre_tokenizer= "
+        "with the llama.cpp name of an equivalent one"
+    )
+
+
+def _merges(model: Mapping[str, Any]) -> list[str]:
+    out: list[str] = []
+    for merge in model.get("merges", []):
+        # tokenizers >= 0.20 writes [left, right] pairs, older ones "left right".
+        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
+        if " " in left or " " in right:
+            # GGUF stores "left right"; a space inside a side is ambiguous.
+            raise ValueError(f"merge {merge!r} contains a space; cannot store it in GGUF")
+        out.append(f"{left} {right}")
+    return out
+
+
+def _first_id(value: Any) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _add_bos(tok: Mapping[str, Any], tok_config: Mapping[str, Any]) -> bool:
+    """Whether encoding prepends a BOS token, as transformers would do it."""
+    if "add_bos_token" in tok_config:
+        return bool(tok_config["add_bos_token"])
+    post = tok.get("post_processor") or {}
+    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        if step.get("type") == "TemplateProcessing":
+            single = step.get("single") or []
+            return bool(single) and "SpecialToken" in single[0]
+    return False
+
+
+def _add_tokenizer(
+    writer: gguf.GGUFWriter,
+    model_dir: Path,
+    config: Mapping[str, Any],
+    vocab_size: int,
+    pre_tokenizer: str | None,
+) -> None:
+    from gguf import TokenType
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    model = tok["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer model {model.get('type')!r} is not supported (BPE only)")
+    # llama.cpp's "gpt2" tokenizer model merges plain byte-level symbols.
+    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            raise ValueError(f"BPE {key}={model[key]!r} is not supported")
+    normalizer = tok.get("normalizer")
+    # Qwen2 ships an NFC normalizer that llama.cpp does not run; it only
+    # matters for text that is not already NFC.  Anything else changes text.
+    if normalizer is not None and normalizer.get("type") != "NFC":
+        raise ValueError(f"tokenizer normalizer {normalizer.get('type')!r} is not supported")
+
+    tokens: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
+    types: dict[int, int] = dict.fromkeys(tokens, TokenType.NORMAL)
+    for added in tok.get("added_tokens", []):
+        tid = int(added["id"])
+        tokens[tid] = added["content"]
+        types[tid] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+
+    n = max(vocab_size, max(tokens) + 1)
+    if n > vocab_size:
+        raise ValueError(f"tokenizer has ids up to {n - 1} but vocab_size is {vocab_size}")
+    # Checkpoints often have more embedding rows than tokens; llama.cpp needs
+    # one token per row, so fill the gap with unique never-produced entries.
+    taken = set(tokens.values())
+    token_list: list[str] = []
+    type_list: list[int] = []
+    for i in range(n):
+        if i in tokens:
+            token_list.append(tokens[i])
+            type_list.append(int(types[i]))
+        else:
+            pad = f"[PAD{i}]"
+            while pad in taken:
+                pad = f"[{pad}]"
+            token_list.append(pad)
+            type_list.append(int(TokenType.UNUSED))
+
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer or _pre_tokenizer_name(tok))
+    writer.add_token_list(token_list)
+    writer.add_token_types(type_list)
+    writer.add_token_merges(_merges(model))
+
+    tok_config_path = model_dir / "tokenizer_config.json"
+    tok_config: dict[str, Any] = (
+        json.loads(tok_config_path.read_text(encoding="utf-8")) if tok_config_path.is_file() else {}
+    )
+    gen_path = model_dir / "generation_config.json"
+    gen: dict[str, Any] = (
+        json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
+    )
+    ids_by_text = {t: i for i, t in tokens.items()}
+
+    def special_id(key: str) -> int | None:
+        for source in (gen, config):
+            value = _first_id(source.get(f"{key}_token_id"))
+            if value is not None:
+                return value
+        text = tok_config.get(f"{key}_token")
+        if isinstance(text, Mapping):
+            text = text.get("content")
+        return ids_by_text.get(text) if isinstance(text, str) else None
+
+    bos, eos, pad_id = special_id("bos"), special_id("eos"), special_id("pad")
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    if pad_id is not None:
+        writer.add_pad_token_id(pad_id)
+    writer.add_add_bos_token(_add_bos(tok, tok_config))
+    writer.add_add_eos_token(False)
+
+    template = tok_config.get("chat_template")
+    jinja = model_dir / "chat_template.jinja"
+    if template is None and jinja.is_file():
+        template = jinja.read_text(encoding="utf-8")
+    if template:
+        writer.add_chat_template(template)
+
+
+# --------------------------------------------------------------------------
+# entry point
+
+
+def export_gguf(
+    model_dir: str | Path,
+    out_path: str | Path,
+    dtype: str = "bf16",
+    *,
+    pre_tokenizer: str | None = None,
+) -> Path:
+    """Convert an HF Llama-family folder to a GGUF file; returns out_path.
+
+    dtype ("bf16", "f16" or "f32") applies to 2-D weights; norms and biases
+    are always f32.  pre_tokenizer overrides the llama.cpp pre-tokenizer
+    name otherwise derived from tokenizer.json.
+    """
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ImportError("GGUF export needs the gguf package: pip install gguf") from exc
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {_DTYPES}")
+    model_dir = Path(model_dir)
+    out_path = Path(out_path)
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    arch = _check_supported(config)
+
+    hidden = int(config["hidden_size"])
+    n_head = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_head)
+    head_dim = _head_dim(config)
+    vocab_size = int(config["vocab_size"])
+    theta, scaling = _rope_scaling(config)
+    freq_factors: np.ndarray | None = None
+    if scaling is not None:
+        rope_type = scaling["rope_type"]
+        if rope_type == "llama3" and arch == "llama":
+            freq_factors = _llama3_freq_factors(theta, head_dim, scaling)
+        elif rope_type != "linear":
+            raise ValueError(f"rope scaling {rope_type!r} is not supported by the GGUF export")
+
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_name(model_dir.name)
+    writer.add_context_length(int(config["max_position_embeddings"]))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    # Explicit because Qwen3 (and head_dim overrides) decouple it from
+    # hidden_size / n_head, which llama.cpp would otherwise assume.
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_vocab_size(vocab_size)
+    file_type = {
+        "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+        "f16": gguf.LlamaFileType.MOSTLY_F16,
+        "f32": gguf.LlamaFileType.ALL_F32,
+    }[dtype]
+    writer.add_file_type(int(file_type))
+    if scaling is not None and scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif freq_factors is not None:
+        # Llama 3 scaling is carried entirely by rope_freqs; a linear factor
+        # on top would scale twice.
+        writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+
+    _add_tokenizer(writer, model_dir, config, vocab_size, pre_tokenizer)
+    if freq_factors is not None:
+        writer.add_tensor("rope_freqs.weight", freq_factors)
+    _add_tensors(writer, model_dir, config, arch, dtype)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+    return out_path

@@ -1,0 +1,139 @@
+"""The ``strata-rs`` command: make-model, bench, info."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="strata-rs",
+        description="strata-rs: an LLM inference engine with a tiered conversation cache.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("make-model", help="write a random-weight model folder (for tests, demos)")
+    m.add_argument("out", type=Path, help="folder to write")
+    m.add_argument("--family", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
+    m.add_argument("--preset", choices=("tiny", "smollm-135m"), default="tiny")
+    m.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
+    m.add_argument("--seed", type=int, default=0)
+
+    b = sub.add_parser("bench", help="time prefill and decode of a model on this machine")
+    b.add_argument("--model", type=Path, required=True, help="Hugging Face model folder")
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    b.add_argument("--prefill", type=_int_list, default=[512, 2048], help="prompt lengths")
+    b.add_argument(
+        "--decode-context", type=_int_list, default=[512, 2048], help="contexts to decode at"
+    )
+    b.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
+    b.add_argument("--repeats", type=int, default=3, help="repeats per prefill (median shown)")
+    b.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+
+    i = sub.add_parser("info", help="show what a model folder is and how it would load")
+    i.add_argument("--model", type=Path, required=True)
+    i.add_argument("--device", default="cpu")
+    return p
+
+
+async def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from strata_rs import Engine
+
+    need = max(args.prefill + args.decode_context) + args.steps
+    engine = await Engine.load(
+        args.model, device=args.device, threads=args.threads, max_context=need
+    )
+    try:
+        info = engine.info
+        result = await engine.benchmark(
+            prefill_lens=args.prefill,
+            decode_contexts=args.decode_context,
+            decode_steps=args.steps,
+            repeats=args.repeats,
+        )
+    finally:
+        await engine.close()
+    return {"engine": info, **result}
+
+
+def _print_bench(r: dict[str, Any]) -> None:
+    info = r["engine"]
+    weight_bytes = r["decode_weight_bytes"]
+    bw = r["read_bandwidth_gb_s"]
+    print(
+        f"model {info['model_dir']} ({info['model_type']}, {info['dtype']}, "
+        f"{info['num_layers']} layers), {info['threads']} threads on {info['device']}"
+    )
+    for n, rate in r["prefill_tok_s"].items():
+        print(f"prefill {n:>6} tokens: {rate:9.1f} tok/s")
+    ceiling = bw.get(weight_bytes) or next(iter(bw.values()))
+    for ctx, rate in r["decode_tok_s"].items():
+        frac = weight_bytes * rate / 1e9 / ceiling
+        print(
+            f"decode at context {ctx:>6}: {rate:9.1f} tok/s "
+            f"({weight_bytes * rate / 1e9:.1f} GB/s of weights, {frac:.0%} of read bandwidth)"
+        )
+    for size, gbs in bw.items():
+        print(f"read bandwidth over {size / 2**20:8.0f} MiB: {gbs:6.1f} GB/s")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "make-model":
+        from strata_rs.testing.models import make_model
+
+        out = make_model(args.out, args.family, args.preset, args.dtype, args.seed)
+        print(f"wrote {args.family} {args.preset} ({args.dtype}) to {out}")
+        return 0
+
+    from strata_rs import StrataError
+
+    try:
+        if args.command == "bench":
+            result = asyncio.run(_bench(args))
+            _print_bench(result)
+            if args.json is not None:
+                args.json.write_text(json.dumps(result, indent=2, default=str))
+            return 0
+        if args.command == "info":
+            return asyncio.run(_info(args))
+    except StrataError as e:
+        print(f"strata-rs: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+async def _info(args: argparse.Namespace) -> int:
+    from strata_rs import Engine, cuda_devices
+
+    engine = await Engine.load(args.model, device=args.device)
+    try:
+        for key, value in engine.info.items():
+            print(f"{key}: {value}")
+    finally:
+        await engine.close()
+    print(f"cuda_devices: {cuda_devices()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

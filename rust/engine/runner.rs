@@ -1,0 +1,115 @@
+//! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps.
+
+use crate::error::{Result, StrataError};
+use crate::kv::blocks::BlockPool;
+use crate::model::forward::{LogitsWanted, SeqChunk, Workspace};
+use crate::model::Model;
+
+pub struct ModelRunner {
+    pub model: Model,
+    pub kv: BlockPool,
+    pub ws: Workspace,
+    pool: rayon::ThreadPool,
+}
+
+impl ModelRunner {
+    pub fn new(
+        model: Model,
+        kv_blocks: usize,
+        block_size: usize,
+        max_batch_tokens: usize,
+        threads: usize,
+    ) -> Result<ModelRunner> {
+        let c = &model.config;
+        let kv = BlockPool::new(
+            c.num_layers,
+            kv_blocks,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+        )?;
+        let ws = Workspace::new(&model, max_batch_tokens, threads);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("strata-compute-{i}"))
+            .build()
+            .map_err(|e| StrataError::Internal(format!("cannot start compute threads: {e}")))?;
+        Ok(ModelRunner {
+            model,
+            kv,
+            ws,
+            pool,
+        })
+    }
+
+    /// Runs `f` on the runner's compute threads.
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+
+    /// One forward step on the runner's compute threads.
+    pub fn step(&mut self, batch: &[SeqChunk], out: &mut [f32]) -> Result<usize> {
+        let ModelRunner {
+            model,
+            kv,
+            ws,
+            pool,
+        } = self;
+        pool.install(|| model.forward(batch, kv, ws, out))
+    }
+
+    /// Fills positions `start..start + ids.len()` of the sequence with block table `table`, in
+    /// chunks of the step size; `out` gets the logits of every position (`want = All`), of the
+    /// last one (`Last`) or none.
+    pub fn prefill(
+        &mut self,
+        ids: &[u32],
+        start: usize,
+        table: &[u32],
+        want: LogitsWanted,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let vocab = self.model.config.vocab_size;
+        let step = self.ws.max_tokens();
+        let chunks = ids.len().div_ceil(step);
+        for (i, chunk) in ids.chunks(step).enumerate() {
+            let pos = start + i * step;
+            let (logits, dst) = match want {
+                LogitsWanted::All => (
+                    LogitsWanted::All,
+                    &mut out[i * step * vocab..(i * step + chunk.len()) * vocab],
+                ),
+                LogitsWanted::Last if i + 1 == chunks => (LogitsWanted::Last, &mut out[..vocab]),
+                _ => (LogitsWanted::None, &mut out[..0]),
+            };
+            let batch = [SeqChunk {
+                tokens: chunk,
+                start_pos: pos,
+                block_table: table,
+                logits,
+            }];
+            self.step(&batch, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks for a sequence of `len` tokens, or ContextOverflow when the pool cannot hold it.
+    pub fn allocate(&mut self, len: usize) -> Result<Vec<u32>> {
+        self.kv
+            .allocate(len.div_ceil(self.kv.block_size()))
+            .ok_or_else(|| {
+                StrataError::ContextOverflow(format!(
+                    "token_ids: no room in the K/V pool for {len} tokens"
+                ))
+            })
+    }
+
+    /// Logits of every position of `ids` (`[ids.len(), vocab]`), from a cold K/V state.
+    pub fn all_logits(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let table = self.allocate(ids.len())?;
+        let mut out = vec![0.0f32; ids.len() * self.model.config.vocab_size];
+        let result = self.prefill(ids, 0, &table, LogitsWanted::All, &mut out);
+        self.kv.release(&table);
+        result.map(|_| out)
+    }
+}

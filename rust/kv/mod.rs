@@ -1,0 +1,3 @@
+//! K/V memory: the per-device block pool.
+
+pub mod blocks;

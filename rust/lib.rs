@@ -1,0 +1,19 @@
+//! strata-rs: an LLM inference engine with a tiered conversation cache.
+//!
+//! Module map (no logic here):
+//! - `device`: CPU and CUDA devices, the CUDA probe.
+//! - `model`: config, weights, tokenizer, the forward pass and its kernels.
+//! - `kv`: the paged K/V block pool.
+//! - `engine`: the engine thread and its request channel.
+//! - `bench`: the timing harness behind `strata-rs bench` and the criterion benches.
+//! - `python` (feature "python"): the PyO3 binding layer, one file per exposed type.
+
+pub mod bench;
+pub mod device;
+pub mod engine;
+pub mod error;
+pub mod kv;
+pub mod model;
+
+#[cfg(feature = "python")]
+mod python;

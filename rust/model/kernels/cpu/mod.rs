@@ -1,0 +1,29 @@
+//! CPU kernels, one file per kernel, each with its scalar reference and its tests.
+//!
+//! Every kernel works on f32 activations. Weight matrices are read in their stored dtype
+//! (f32, f16 or bf16) straight from the memory map: no f32 copy of the weights exists.
+
+pub mod attention;
+pub mod embedding;
+pub mod matmul;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
+
+use half::{bf16, f16};
+
+/// The elements of a weight tensor, in the dtype they were stored in.
+#[derive(Clone, Copy, Debug)]
+pub enum WeightData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+/// A row-major `[rows, cols]` weight matrix in PyTorch `Linear` layout (out_features x in_features).
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    pub data: WeightData<'a>,
+    pub rows: usize,
+    pub cols: usize,
+}

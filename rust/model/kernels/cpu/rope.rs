@@ -1,0 +1,230 @@
+//! Rotary position embeddings, HF "rotate_half" (non-interleaved) convention.
+
+/// Frequency scaling variants from the HF config's `rope_scaling`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (equivalently `inv_freq / factor`).
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.x frequency-dependent scaling (transformers `_compute_llama3_parameters`).
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+/// cos/sin for every position and frequency, computed in f64 at load and stored in f32.
+pub struct RopeTable {
+    half: usize,
+    max_positions: usize,
+    /// `[max_positions, half]`.
+    cos: Vec<f32>,
+    /// `[max_positions, half]`.
+    sin: Vec<f32>,
+}
+
+/// `inv_freq[i]` for `i in 0..head_dim/2`, with the scaling applied.
+pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64> {
+    let half = head_dim / 2;
+    (0..half)
+        .map(|i| {
+            let f = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            match *scaling {
+                RopeScaling::None => f,
+                RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor,
+                    high_freq_factor,
+                    original_max_position_embeddings: orig,
+                } => {
+                    let low_freq_wavelen = orig / low_freq_factor;
+                    let high_freq_wavelen = orig / high_freq_factor;
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_freq_wavelen {
+                        f
+                    } else if wavelen > low_freq_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (orig / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                }
+            }
+        })
+        .collect()
+}
+
+impl RopeTable {
+    pub fn new(head_dim: usize, theta: f64, scaling: &RopeScaling, max_positions: usize) -> Self {
+        assert!(
+            head_dim >= 2 && head_dim.is_multiple_of(2),
+            "rope: head_dim must be even"
+        );
+        let half = head_dim / 2;
+        let freqs = inv_freqs(head_dim, theta, scaling);
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for &f in &freqs {
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        Self {
+            half,
+            max_positions,
+            cos,
+            sin,
+        }
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    /// Rotates every head of one token in place: `x` is `[n_heads * head_dim]` at position `pos`.
+    pub fn apply(&self, x: &mut [f32], n_heads: usize, pos: usize) {
+        let half = self.half;
+        assert!(
+            pos < self.max_positions,
+            "rope: position {pos} beyond table ({})",
+            self.max_positions
+        );
+        assert_eq!(
+            x.len(),
+            n_heads * 2 * half,
+            "rope: x is not [n_heads * head_dim]"
+        );
+        let cos = &self.cos[pos * half..(pos + 1) * half];
+        let sin = &self.sin[pos * half..(pos + 1) * half];
+        for head in x.chunks_exact_mut(2 * half) {
+            let (x1, x2) = head.split_at_mut(half);
+            // Plain zipped loop: vectorises.
+            for (((a, b), &c), &s) in x1.iter_mut().zip(x2.iter_mut()).zip(cos).zip(sin) {
+                let (u, v) = (*a, *b);
+                *a = u * c - v * s;
+                *b = v * c + u * s;
+            }
+        }
+    }
+}
+
+/// Plain reference: angles and rotation in f64, straight from the definition.
+pub fn reference(
+    x: &mut [f32],
+    n_heads: usize,
+    head_dim: usize,
+    pos: usize,
+    theta: f64,
+    scaling: &RopeScaling,
+) {
+    let half = head_dim / 2;
+    let freqs = inv_freqs(head_dim, theta, scaling);
+    for h in 0..n_heads {
+        for (i, &f) in freqs.iter().enumerate() {
+            let a = pos as f64 * f;
+            let (x1, x2) = (
+                x[h * head_dim + i] as f64,
+                x[h * head_dim + i + half] as f64,
+            );
+            x[h * head_dim + i] = (x1 * a.cos() - x2 * a.sin()) as f32;
+            x[h * head_dim + i + half] = (x2 * a.cos() + x1 * a.sin()) as f32;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+    }
+
+    #[test]
+    fn llama3_frequency_bands() {
+        // Llama 3.1 parameters: check the three bands against a direct f64 computation.
+        let s = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192.0,
+        };
+        let f = inv_freqs(128, 500000.0, &s);
+        let base: Vec<f64> = (0..64)
+            .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / 128.0))
+            .collect();
+        assert_eq!(f[0], base[0]); // highest frequency: unchanged
+        assert!((f[63] - base[63] / 8.0).abs() < 1e-18); // lowest: divided by factor
+        let mut saw_medium = false;
+        for i in 0..64 {
+            let wl = 2.0 * std::f64::consts::PI / base[i];
+            if (2048.0..=8192.0).contains(&wl) {
+                saw_medium = true;
+                let sm = (8192.0 / wl - 1.0) / 3.0;
+                let want = (1.0 - sm) * base[i] / 8.0 + sm * base[i];
+                assert!((f[i] - want).abs() <= 1e-15 * want);
+            }
+        }
+        assert!(saw_medium);
+    }
+
+    #[test]
+    fn matches_reference_all_scalings() {
+        let scalings = [
+            RopeScaling::None,
+            RopeScaling::Linear { factor: 4.0 },
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 64.0,
+            },
+        ];
+        let mut rng = Rng(11);
+        for s in &scalings {
+            for &(head_dim, n_heads, theta) in &[(64usize, 9usize, 10000.0), (34, 3, 1e6)] {
+                let max = 300;
+                let table = RopeTable::new(head_dim, theta, s, max);
+                assert_eq!(table.max_positions(), max);
+                // Includes positions past original_max_position_embeddings (64).
+                for &pos in &[0usize, 1, 17, 63, 64, 65, 200, 299] {
+                    let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.next()).collect();
+                    let mut got = x.clone();
+                    let mut want = x.clone();
+                    table.apply(&mut got, n_heads, pos);
+                    reference(&mut want, n_heads, head_dim, pos, theta, s);
+                    for i in 0..x.len() {
+                        // f32 cos/sin (rounded from f64) and f32 arithmetic: a few ulp of |x| <= 1.
+                        assert!(
+                            (got[i] - want[i]).abs() <= 1e-6,
+                            "{s:?} pos={pos} i={i}: {} vs {}",
+                            got[i],
+                            want[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic]
+    fn position_past_table_panics() {
+        let t = RopeTable::new(8, 10000.0, &RopeScaling::None, 4);
+        t.apply(&mut [0.0; 8], 1, 4);
+    }
+}

@@ -1,0 +1,3 @@
+//! Compute kernels by backend.
+
+pub mod cpu;

@@ -1,0 +1,341 @@
+//! safetensors files (one, or shards named by model.safetensors.index.json), memory-mapped.
+//!
+//! Tensors stay in the file's dtype inside the map: the model holds views into it, never a copy.
+//! The header is parsed here rather than by the `safetensors` crate so that every failure names
+//! the file and the tensor (truncated data, bad dtype, shape mismatch).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use serde_json::Value;
+
+use crate::error::{Result, StrataError};
+use crate::model::kernels::cpu::{MatRef, WeightData};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Where one tensor lives: which map, at which byte range.
+#[derive(Clone, Debug)]
+struct TensorEntry {
+    file: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+pub struct SafetensorsFiles {
+    paths: Vec<PathBuf>,
+    maps: Vec<Arc<Mmap>>,
+    tensors: BTreeMap<String, TensorEntry>,
+    /// Tensors handed out so far; `check_all_used` reports the rest as extra.
+    used: std::cell::RefCell<BTreeSet<String>>,
+}
+
+/// A tensor view into a map. `Arc` keeps the map alive as long as any view exists. A tensor
+/// whose offset in the file is not aligned for its dtype (legal, rare) gets an aligned copy.
+#[derive(Clone)]
+pub struct Tensor {
+    map: Arc<Mmap>,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    start: usize,
+    len: usize,
+    /// Copy used only when the file offset is not aligned for the dtype.
+    realigned: Option<Arc<Vec<u32>>>,
+}
+
+impl Tensor {
+    fn bytes(&self) -> &[u8] {
+        if let Some(words) = &self.realigned {
+            // SAFETY: a Vec<u32> is 4-aligned and holds at least `len` initialized bytes.
+            return unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, self.len) };
+        }
+        &self.map[self.start..self.start + self.len]
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn data(&self) -> WeightData<'_> {
+        let b = self.bytes();
+        let n = self.numel();
+        // SAFETY: alignment was checked (or fixed by realigning) at load; length is numel * size;
+        // every bit pattern is a valid f32/f16/bf16.
+        unsafe {
+            match self.dtype {
+                DType::F32 => {
+                    WeightData::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, n))
+                }
+                DType::F16 => {
+                    WeightData::F16(std::slice::from_raw_parts(b.as_ptr() as *const f16, n))
+                }
+                DType::Bf16 => {
+                    WeightData::Bf16(std::slice::from_raw_parts(b.as_ptr() as *const bf16, n))
+                }
+            }
+        }
+    }
+
+    pub fn matrix(&self) -> MatRef<'_> {
+        MatRef {
+            data: self.data(),
+            rows: self.shape[0],
+            cols: self.shape[1],
+        }
+    }
+
+    /// An f32 copy, for the 1-D tensors (norm weights, biases): a negligible fraction of the bytes.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self.data() {
+            WeightData::F32(x) => x.to_vec(),
+            WeightData::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
+            WeightData::Bf16(x) => x.iter().map(|v| v.to_f32()).collect(),
+        }
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl SafetensorsFiles {
+    /// Opens `model.safetensors`, or the shards listed by `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<SafetensorsFiles> {
+        let index = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let paths = if index.exists() {
+            shard_paths(dir, &index)?
+        } else if single.exists() {
+            vec![single]
+        } else {
+            return Err(StrataError::model_load(
+                dir,
+                "no model.safetensors or model.safetensors.index.json in the model folder",
+            ));
+        };
+        let mut files = SafetensorsFiles {
+            paths: Vec::new(),
+            maps: Vec::new(),
+            tensors: BTreeMap::new(),
+            used: Default::default(),
+        };
+        for path in paths {
+            files.add_file(path)?;
+        }
+        Ok(files)
+    }
+
+    fn add_file(&mut self, path: PathBuf) -> Result<()> {
+        let err = |d: String| StrataError::model_load(&path, d);
+        let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
+        // SAFETY: the map is read-only; a model file changed underneath a running engine is
+        // outside what any inference engine can defend against.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        if map.len() < 8 {
+            return Err(err(format!(
+                "truncated file: {} bytes, no header",
+                map.len()
+            )));
+        }
+        let header_len = u64::from_le_bytes([
+            map[0], map[1], map[2], map[3], map[4], map[5], map[6], map[7],
+        ]) as usize;
+        if header_len > map.len() - 8 {
+            return Err(err(format!(
+                "truncated file: header of {header_len} bytes but the file has {} bytes",
+                map.len()
+            )));
+        }
+        let header: HashMap<String, Value> = serde_json::from_slice(&map[8..8 + header_len])
+            .map_err(|e| err(format!("invalid safetensors header: {e}")))?;
+        let data_start = 8 + header_len;
+        let data_len = map.len() - data_start;
+        let file_idx = self.maps.len();
+        for (name, info) in header {
+            if name == "__metadata__" {
+                continue;
+            }
+            let terr = |d: String| err(format!("tensor {name}: {d}"));
+            let dtype = match info.get("dtype").and_then(Value::as_str) {
+                Some("F32") => DType::F32,
+                Some("F16") => DType::F16,
+                Some("BF16") => DType::Bf16,
+                Some(other) => {
+                    return Err(terr(format!(
+                        "unsupported dtype {other} (supported: F32, F16, BF16)"
+                    )))
+                }
+                None => return Err(terr("missing dtype".into())),
+            };
+            let shape: Vec<usize> = info
+                .get("shape")
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+                .ok_or_else(|| terr("missing or invalid shape".into()))?;
+            let offsets: Vec<usize> = info
+                .get("data_offsets")
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+                .filter(|o: &Vec<usize>| o.len() == 2 && o[0] <= o[1])
+                .ok_or_else(|| terr("missing or invalid data_offsets".into()))?;
+            let numel: usize = shape.iter().product();
+            if offsets[1] - offsets[0] != numel * dtype.size() {
+                return Err(terr(format!(
+                    "data_offsets span {} bytes but shape {:?} of {} needs {}",
+                    offsets[1] - offsets[0],
+                    shape,
+                    dtype.name(),
+                    numel * dtype.size()
+                )));
+            }
+            if offsets[1] > data_len {
+                return Err(terr(format!(
+                    "truncated file: the tensor ends at byte {} of the data section but it has {} bytes",
+                    offsets[1], data_len
+                )));
+            }
+            let entry = TensorEntry {
+                file: file_idx,
+                dtype,
+                shape,
+                start: data_start + offsets[0],
+                end: data_start + offsets[1],
+            };
+            if self.tensors.insert(name.clone(), entry).is_some() {
+                return Err(err(format!("tensor {name} appears in more than one shard")));
+            }
+        }
+        self.paths.push(path);
+        self.maps.push(Arc::new(map));
+        Ok(())
+    }
+
+    pub fn path_of(&self, name: &str) -> Option<&Path> {
+        self.tensors.get(name).map(|e| self.paths[e.file].as_path())
+    }
+
+    /// The tensor `name`, checked against `shape`. Any error names the file and the tensor.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let e = self.tensors.get(name).ok_or_else(|| {
+            let where_ = self
+                .paths
+                .first()
+                .map(|p| p.as_path())
+                .unwrap_or(Path::new("."));
+            StrataError::model_load(where_, format!("missing tensor {name}"))
+        })?;
+        if e.shape != shape {
+            return Err(StrataError::model_load(
+                &self.paths[e.file],
+                format!("tensor {name}: shape {:?}, expected {:?}", e.shape, shape),
+            ));
+        }
+        self.used.borrow_mut().insert(name.to_string());
+        let map = self.maps[e.file].clone();
+        let len = e.end - e.start;
+        let realigned = if e.start % e.dtype.size() != 0 {
+            let mut words = vec![0u32; len.div_ceil(4)];
+            // SAFETY: `words` holds at least `len` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    map[e.start..].as_ptr(),
+                    words.as_mut_ptr() as *mut u8,
+                    len,
+                )
+            };
+            Some(Arc::new(words))
+        } else {
+            None
+        };
+        Ok(Tensor {
+            map,
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            start: e.start,
+            len,
+            realigned,
+        })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Marks tensors that a loader reads of its own accord as known (e.g. rotary inv_freq buffers).
+    pub fn ignore(&self, name: &str) {
+        self.used.borrow_mut().insert(name.to_string());
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.tensors.keys()
+    }
+
+    /// Every tensor in the files must have been read: an extra tensor means a different model.
+    pub fn check_all_used(&self) -> Result<()> {
+        let used = self.used.borrow();
+        if let Some((name, e)) = self.tensors.iter().find(|(n, _)| !used.contains(*n)) {
+            return Err(StrataError::model_load(
+                &self.paths[e.file],
+                format!("unexpected tensor {name} (not part of this model's architecture)"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn shard_paths(dir: &Path, index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index)
+        .map_err(|e| StrataError::model_load(index, format!("cannot read: {e}")))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| StrataError::model_load(index, format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(Value::as_object)
+        .ok_or_else(|| StrataError::model_load(index, "weight_map: missing or not an object"))?;
+    let mut names = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| {
+            StrataError::model_load(index, format!("weight_map.{tensor}: expected a file name"))
+        })?;
+        // A shard name is a plain file name inside the folder, never a path out of it.
+        if file.contains('/') || file.contains('\\') || file == ".." {
+            return Err(StrataError::model_load(
+                index,
+                format!("weight_map.{tensor}: {file:?} is not a file name in the model folder"),
+            ));
+        }
+        names.insert(file.to_string());
+    }
+    if names.is_empty() {
+        return Err(StrataError::model_load(index, "weight_map: empty"));
+    }
+    Ok(names.into_iter().map(|n| dir.join(n)).collect())
+}

@@ -1,0 +1,36 @@
+//! The PyO3 binding layer: translation only, one file per exposed type. Logic lives in the core.
+
+mod engine;
+mod errors;
+mod json;
+mod tokenizer;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// The GPUs the CUDA driver reports: `[]` when there is no driver.
+#[pyfunction]
+fn cuda_devices(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    let found = py.detach(crate::device::cuda_devices);
+    found
+        .into_iter()
+        .map(|d| {
+            let dict = PyDict::new(py);
+            dict.set_item("index", d.index)?;
+            dict.set_item("name", d.name)?;
+            dict.set_item("total_memory", d.total_memory)?;
+            Ok(dict)
+        })
+        .collect()
+}
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<tokenizer::PyTokenizer>()?;
+    m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

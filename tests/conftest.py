@@ -1,0 +1,29 @@
+"""Shared pytest fixtures: the async backend and model folders built once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from strata_rs.testing.models import make_model
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Returns make(family, dtype="f32", **overrides) -> a model folder, cached per arguments."""
+    cache: dict[tuple[object, ...], Path] = {}
+
+    def make(family: str, dtype: str = "f32", preset: str = "tiny", **overrides: object) -> Path:
+        key = (family, dtype, preset, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{family}-{dtype}")
+            cache[key] = make_model(out, family, preset, dtype, 0, **overrides)
+        return cache[key]
+
+    return make

@@ -1,0 +1,272 @@
+//! The forward pass on real files: mixed batches, chunking, dtypes, and load errors.
+
+use std::path::Path;
+
+use strata_rs::engine::runner::ModelRunner;
+use strata_rs::error::StrataError;
+use strata_rs::model::forward::{LogitsWanted, SeqChunk};
+use strata_rs::model::testing::{write_safetensors, TestModel};
+use strata_rs::model::weights::DType;
+use strata_rs::model::Model;
+
+fn runner(dir: &Path, max_batch_tokens: usize) -> ModelRunner {
+    let model = Model::load(dir, 512).unwrap();
+    ModelRunner::new(model, 64, 16, max_batch_tokens, 2).unwrap()
+}
+
+fn ids(n: usize, vocab: u32, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % vocab)
+        .collect()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn range(a: &[f32]) -> f32 {
+    a.iter().cloned().fold(f32::MIN, f32::max) - a.iter().cloned().fold(f32::MAX, f32::min)
+}
+
+#[test]
+fn chunked_prefill_and_decode_match_one_shot_prefill() {
+    for family in ["llama", "qwen2", "qwen3"] {
+        let dir = tempfile::tempdir().unwrap();
+        TestModel::tiny(family).write(dir.path()).unwrap();
+        let tokens = ids(70, 256, 3);
+        let at_once = runner(dir.path(), 512).all_logits(&tokens).unwrap();
+        let tol = 1e-4 * range(&at_once);
+        for step in [1, 7, 16] {
+            let chunked = runner(dir.path(), step).all_logits(&tokens).unwrap();
+            let d = max_abs_diff(&at_once, &chunked);
+            assert!(d <= tol, "{family}: step {step}: max diff {d} > {tol}");
+        }
+    }
+}
+
+#[test]
+fn a_mixed_batch_equals_each_sequence_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    TestModel::tiny("llama").write(dir.path()).unwrap();
+    let a = ids(40, 256, 1);
+    let b = ids(23, 256, 2);
+    let vocab = 256;
+
+    // Alone: all logits of each sequence.
+    let alone_a = runner(dir.path(), 512).all_logits(&a).unwrap();
+    let alone_b = runner(dir.path(), 512).all_logits(&b).unwrap();
+
+    // Together: a is prefilled to 39 tokens first, then one step holds a's last token (decode)
+    // and the whole of b (prefill), sharing one forward.
+    let mut r = runner(dir.path(), 512);
+    let ta = r.allocate(a.len()).unwrap();
+    let tb = r.allocate(b.len()).unwrap();
+    let mut out = vec![0.0; 40 * vocab];
+    r.prefill(&a[..39], 0, &ta, LogitsWanted::None, &mut out)
+        .unwrap();
+    let batch = [
+        SeqChunk {
+            tokens: &a[39..],
+            start_pos: 39,
+            block_table: &ta,
+            logits: LogitsWanted::Last,
+        },
+        SeqChunk {
+            tokens: &b,
+            start_pos: 0,
+            block_table: &tb,
+            logits: LogitsWanted::All,
+        },
+    ];
+    let rows = r.step(&batch, &mut out).unwrap();
+    assert_eq!(rows, 1 + b.len());
+    let tol = 1e-4 * range(&alone_a);
+    let d = max_abs_diff(&out[..vocab], &alone_a[39 * vocab..]);
+    assert!(d <= tol, "decode row differs by {d}");
+    let d = max_abs_diff(&out[vocab..rows * vocab], &alone_b);
+    assert!(d <= tol, "prefill rows differ by {d}");
+}
+
+#[test]
+fn bf16_and_f16_weights_track_f32() {
+    let dir32 = tempfile::tempdir().unwrap();
+    let mut m = TestModel::tiny("llama");
+    m.write(dir32.path()).unwrap();
+    let tokens = ids(50, 256, 9);
+    let ref32 = runner(dir32.path(), 512).all_logits(&tokens).unwrap();
+    for dtype in [DType::Bf16, DType::F16] {
+        let dir = tempfile::tempdir().unwrap();
+        m.dtype = dtype;
+        m.write(dir.path()).unwrap();
+        let model = Model::load(dir.path(), 512).unwrap();
+        assert_eq!(model.dtype, dtype);
+        let got = runner(dir.path(), 512).all_logits(&tokens).unwrap();
+        let agree = ref32
+            .chunks(256)
+            .zip(got.chunks(256))
+            .filter(|(a, b)| argmax(a) == argmax(b))
+            .count();
+        assert!(
+            agree >= 45,
+            "{dtype:?}: argmax agrees at only {agree}/50 positions"
+        );
+    }
+}
+
+fn argmax(x: &[f32]) -> usize {
+    (0..x.len()).max_by(|&i, &j| x[i].total_cmp(&x[j])).unwrap()
+}
+
+fn load_error(dir: &Path) -> String {
+    match Model::load(dir, 64) {
+        Err(e @ StrataError::ModelLoad { .. }) => e.to_string(),
+        Err(e) => panic!("expected ModelLoad, got {e:?}"),
+        Ok(_) => panic!("expected an error"),
+    }
+}
+
+#[test]
+fn load_errors_name_the_file_and_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let m = TestModel::tiny("llama");
+    m.write(d).unwrap();
+    let st = d.join("model.safetensors");
+    let shown = st.display().to_string();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = m
+        .tensors()
+        .into_iter()
+        .map(|(n, s)| {
+            let len = s.iter().product();
+            (n, s, vec![0.5; len])
+        })
+        .collect();
+
+    // Missing tensor.
+    let full = tensors.clone();
+    tensors.retain(|(n, _, _)| n != "model.layers.1.mlp.up_proj.weight");
+    write_safetensors(&st, &tensors, DType::F32).unwrap();
+    assert_eq!(
+        load_error(d),
+        format!("{shown}: missing tensor model.layers.1.mlp.up_proj.weight")
+    );
+
+    // Extra tensor.
+    let mut extra = full.clone();
+    extra.push((
+        "model.layers.0.mlp.extra.weight".into(),
+        vec![2],
+        vec![0.0; 2],
+    ));
+    write_safetensors(&st, &extra, DType::F32).unwrap();
+    assert_eq!(
+        load_error(d),
+        format!("{shown}: unexpected tensor model.layers.0.mlp.extra.weight (not part of this model's architecture)")
+    );
+
+    // Shape mismatch.
+    let mut wrong = full.clone();
+    wrong[0] = (
+        "model.embed_tokens.weight".into(),
+        vec![255, 64],
+        vec![0.0; 255 * 64],
+    );
+    write_safetensors(&st, &wrong, DType::F32).unwrap();
+    assert_eq!(
+        load_error(d),
+        format!("{shown}: tensor model.embed_tokens.weight: shape [255, 64], expected [256, 64]")
+    );
+
+    // Truncated file.
+    write_safetensors(&st, &full, DType::F32).unwrap();
+    let len = std::fs::metadata(&st).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&st).unwrap();
+    f.set_len(len - 100).unwrap();
+    drop(f);
+    let e = load_error(d);
+    assert!(
+        e.starts_with(&format!(
+            "{shown}: tensor lm_head.weight: truncated file: the tensor ends at byte"
+        )),
+        "{e}"
+    );
+
+    // Unsupported dtype.
+    let header =
+        br#"{"model.embed_tokens.weight":{"dtype":"I8","shape":[2],"data_offsets":[0,2]}}"#;
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header);
+    bytes.extend_from_slice(&[0, 0]);
+    std::fs::write(&st, bytes).unwrap();
+    assert_eq!(
+        load_error(d),
+        format!("{shown}: tensor model.embed_tokens.weight: unsupported dtype I8 (supported: F32, F16, BF16)")
+    );
+
+    // No weights at all.
+    std::fs::remove_file(&st).unwrap();
+    assert_eq!(
+        load_error(d),
+        format!(
+            "{}: no model.safetensors or model.safetensors.index.json in the model folder",
+            d.display()
+        )
+    );
+}
+
+#[test]
+fn sharded_weights_load_like_one_file() {
+    let one = tempfile::tempdir().unwrap();
+    let m = TestModel::tiny("qwen2");
+    m.write(one.path()).unwrap();
+    let tokens = ids(20, 256, 4);
+    let want = runner(one.path(), 512).all_logits(&tokens).unwrap();
+
+    // Rewrite the same weights as two shards with an index.
+    let sharded = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        one.path().join("config.json"),
+        sharded.path().join("config.json"),
+    )
+    .unwrap();
+    let model = Model::load(one.path(), 64).unwrap();
+    drop(model);
+    let mut tensors = Vec::new();
+    let files = strata_rs::model::weights::SafetensorsFiles::open(one.path()).unwrap();
+    for (name, shape) in m.tensors() {
+        let t = files.get(&name, &shape).unwrap();
+        tensors.push((name, shape, t.to_f32_vec()));
+    }
+    let (a, b) = tensors.split_at(tensors.len() / 2);
+    write_safetensors(
+        &sharded.path().join("model-00001-of-00002.safetensors"),
+        a,
+        DType::F32,
+    )
+    .unwrap();
+    write_safetensors(
+        &sharded.path().join("model-00002-of-00002.safetensors"),
+        b,
+        DType::F32,
+    )
+    .unwrap();
+    let mut map = serde_json::Map::new();
+    for (n, _, _) in a {
+        map.insert(n.clone(), "model-00001-of-00002.safetensors".into());
+    }
+    for (n, _, _) in b {
+        map.insert(n.clone(), "model-00002-of-00002.safetensors".into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    let got = runner(sharded.path(), 512).all_logits(&tokens).unwrap();
+    assert_eq!(got, want, "shards must give bit-identical logits");
+}

@@ -1,0 +1,254 @@
+"""Independent NumPy reference forward pass for Llama-family HF model folders.
+
+Written from the Hugging Face transformers semantics (LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not from strata-rs
+code, and computed in float64 so it is a trustworthy yardstick for the
+engine's float32 output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ST_DTYPES: dict[str, str] = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "<u2",  # raw bits, widened below
+    "I64": "<i8",
+    "I32": "<i4",
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset of its data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n).decode("utf-8"))
+    return header, 8 + n
+
+
+def _read_raw_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Minimal reader for files numpy-backed safetensors can't load (BF16)."""
+    header, base = read_safetensors_header(path)
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = np.frombuffer(
+            buf[base + begin : base + end].tobytes(), dtype=_ST_DTYPES[info["dtype"]]
+        )
+        if info["dtype"] == "BF16":
+            # bf16 is the top half of an f32: shift the bits back up.
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        out[name] = raw.reshape(info["shape"])
+    return out
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    header, _ = read_safetensors_header(path)
+    if any(v["dtype"] == "BF16" for k, v in header.items() if k != "__metadata__"):
+        return _read_raw_safetensors(path)
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))
+
+
+def load_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """All tensors of a model folder (single file or sharded with an index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    weights: dict[str, np.ndarray] = {}
+    for fname in files:
+        weights.update(read_safetensors(model_dir / fname))
+    return weights
+
+
+# --------------------------------------------------------------------------
+# RoPE
+
+
+def _rope_params(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling dict or None), from transformers 4 or 5 style configs."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        # transformers 5 keeps theta and the scaling fields together.
+        theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+        scaling: dict[str, Any] | None = dict(params)
+    else:
+        theta = float(config.get("rope_theta", 10000.0))
+        raw = config.get("rope_scaling")
+        scaling = dict(raw) if raw else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            return theta, None
+        scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def inv_freq(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
+    theta, scaling = _rope_params(config)
+    base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return base
+    rope_type = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        # Positions divided by factor == frequencies divided by factor.
+        return base / factor
+    if rope_type == "llama3":
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_ctx / low
+        high_freq_wavelen = old_ctx / high
+        wavelen = 2.0 * math.pi / base
+        # Long wavelengths are slowed by factor, short ones kept, and the
+        # band in between interpolated smoothly.
+        scaled = np.where(wavelen > low_freq_wavelen, base / factor, base)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not in the reference")
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    """rotate_half convention; x is [heads, n, head_dim]."""
+    angles = positions[:, None].astype(np.float64) * freqs[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------
+# forward
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """torch.nn.Linear: weight is [out, in]."""
+    y = x @ weight.T
+    return y if bias is None else y + bias
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _layer_window(config: Mapping[str, Any], layer: int) -> int | None:
+    """Sliding window of one layer, or None for full causal attention."""
+    family = config["model_type"]
+    window = config.get("sliding_window")
+    if window is None:
+        return None
+    if family == "mistral":
+        return int(window)
+    if family in ("qwen2", "qwen3"):
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            return int(window) if layer_types[layer] == "sliding_attention" else None
+        if not config.get("use_sliding_window", False):
+            return None
+        # Qwen2's rule: layers from max_window_layers upward slide.
+        max_window_layers = config.get("max_window_layers", 0)
+        return int(window) if layer >= max_window_layers else None
+    return None
+
+
+def _attention_mask(n: int, window: int | None) -> np.ndarray:
+    """True where query i may attend key j."""
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= i - j < window
+    return mask
+
+
+def reference_logits(model_dir: Path | str, token_ids: list[int]) -> np.ndarray:
+    """HF-semantics forward over the whole sequence; float64 [n, vocab]."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    family = config["model_type"]
+    if family not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise NotImplementedError(f"model_type {family!r}")
+    raw = load_weights(model_dir)
+
+    def w(name: str) -> np.ndarray:
+        return raw[name].astype(np.float64)
+
+    def maybe(name: str) -> np.ndarray | None:
+        return raw[name].astype(np.float64) if name in raw else None
+
+    hidden = int(config["hidden_size"])
+    n_heads = int(config["num_attention_heads"])
+    n_kv = int(config.get("num_key_value_heads") or n_heads)
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    eps = float(config["rms_norm_eps"])
+    group = n_heads // n_kv
+    freqs = inv_freq(config, head_dim)
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    n = len(ids)
+    positions = np.arange(n)
+    x = w("model.embed_tokens.weight")[ids]
+
+    for layer in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{layer}."
+        h = rms_norm(x, w(p + "input_layernorm.weight"), eps)
+        q = _linear(h, w(p + "self_attn.q_proj.weight"), maybe(p + "self_attn.q_proj.bias"))
+        k = _linear(h, w(p + "self_attn.k_proj.weight"), maybe(p + "self_attn.k_proj.bias"))
+        v = _linear(h, w(p + "self_attn.v_proj.weight"), maybe(p + "self_attn.v_proj.bias"))
+        q = q.reshape(n, n_heads, head_dim).transpose(1, 0, 2)
+        k = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
+        v = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
+        if family == "qwen3":
+            # Qwen3 normalizes each head's q and k before RoPE.
+            q = rms_norm(q, w(p + "self_attn.q_norm.weight"), eps)
+            k = rms_norm(k, w(p + "self_attn.k_norm.weight"), eps)
+        q = apply_rope(q, positions, freqs)
+        k = apply_rope(k, positions, freqs)
+        # GQA: query head hq reads kv head hq // group.
+        k = np.repeat(k, group, axis=0)
+        v = np.repeat(v, group, axis=0)
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(head_dim)
+        mask = _attention_mask(n, _layer_window(config, layer))
+        scores = np.where(mask[None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        attn = (probs @ v).transpose(1, 0, 2).reshape(n, n_heads * head_dim)
+        x = x + _linear(attn, w(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"))
+
+        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
+        gate = h @ w(p + "mlp.gate_proj.weight").T
+        up = h @ w(p + "mlp.up_proj.weight").T
+        x = x + (_silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+
+    x = rms_norm(x, w("model.norm.weight"), eps)
+    # transformers' default for these families is untied; when tied, any
+    # lm_head.weight in the file is ignored in favour of the embedding.
+    if config.get("tie_word_embeddings", False):
+        head = w("model.embed_tokens.weight")
+    else:
+        head = w("lm_head.weight")
+    return x @ head.T

@@ -1,0 +1,305 @@
+"""strata-rs renders chat templates exactly as transformers does.
+
+The reference is Jinja2 set up the way transformers' apply_chat_template sets it up
+(ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loop controls, its own
+tojson, raise_exception and strftime_now). Each fixture under fixtures/templates/ is
+written in the style of a real model's template and rendered for several
+conversations by both; the strings must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pytest
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from strata_rs._core import InvalidRequest, Tokenizer
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
+
+Message = dict[str, Any]
+
+# tokenizer_config.json special tokens per template family.
+SPECIAL_TOKENS: dict[str, dict[str, Any]] = {
+    "qwen25": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    "qwen3": {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+    "mistral": {
+        "bos_token": {"content": "<s>", "special": True},
+        "eos_token": {"content": "</s>", "special": True},
+        "unk_token": "<unk>",
+    },
+    "pyisms": {"bos_token": "<s>", "eos_token": "</s>"},
+}
+
+ALL_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<s>",
+    "</s>",
+    "<unk>",
+]
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search_web",
+            "description": 'Search the web. Returns "snippets" <html-free>.',
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "description": "What to look for"},
+                    "limit": {"type": "integer", "default": 5},
+                },
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Température actuelle",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    },
+]
+
+SIMPLE: dict[str, list[Message]] = {
+    "single_user": [{"role": "user", "content": "Hello!"}],
+    "system_and_user": [
+        {"role": "system", "content": "  You are a pirate.  "},
+        {"role": "user", "content": "  What is the weather like?  "},
+    ],
+    "multi_turn": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke?"},
+    ],
+    "unicode_and_quotes": [
+        {"role": "user", "content": 'héllo wörld 日本語 🎉 "quoted" it\'s\nnew line'},
+        {"role": "assistant", "content": "Ça va 👍"},
+        {"role": "user", "content": "{{ not a template }} {% raw %}"},
+    ],
+}
+
+TOOL_CALL: list[Message] = [
+    {"role": "system", "content": "You can search."},
+    {"role": "user", "content": "Find news about Rust"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": "search_web", "arguments": {"query": "Rust news", "limit": 3}},
+            },
+            {
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Zürich"}},
+            },
+        ],
+    },
+    {"role": "tool", "name": "search_web", "content": "Rust 1.95 released"},
+    {"role": "tool", "name": "get_weather", "content": '{"temp": 21.5}'},
+    {"role": "assistant", "content": "Rust 1.95 is out; Zürich is 21.5°C."},
+    {"role": "user", "content": "Thanks"},
+]
+
+THINKING: list[Message] = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "<think>\nSimple sum.\n</think>\n\n4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6", "reasoning_content": "\nAdd them.\n"},
+    {"role": "user", "content": "<tool_response>x</tool_response>"},
+]
+
+MULTIMODAL: list[Message] = [
+    {"role": "system", "content": "sys"},
+    {
+        "role": "user",
+        "name": "ana",
+        "content": [{"type": "image"}, {"type": "text", "text": "describe this picture"}],
+    },
+    {
+        "role": "assistant",
+        "content": "A  cat?",
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "arguments": {"zeta": [1, 2.5, None, True], "alpha": "é"},
+                },
+            }
+        ],
+    },
+    {"role": "tool", "content": None},
+]
+
+# (template, conversation name, messages, extra template variables)
+Case = tuple[str, str, list[Message], dict[str, Any]]
+
+
+def cases() -> list[Case]:
+    out: list[Case] = []
+    for template in ["qwen25", "qwen3", "llama3", "mistral", "pyisms"]:
+        for name, messages in SIMPLE.items():
+            out.append((template, name, messages, {}))
+    for template in ["qwen25", "qwen3"]:
+        out.append((template, "tool_call", TOOL_CALL, {}))
+        out.append((template, "tools_given", SIMPLE["multi_turn"], {"tools": TOOLS}))
+        out.append((template, "tools_no_system", SIMPLE["single_user"], {"tools": TOOLS}))
+    out.append(("qwen3", "thinking", THINKING, {}))
+    out.append(("qwen3", "thinking_off", SIMPLE["single_user"], {"enable_thinking": False}))
+    out.append(("llama3", "tools_in_user", SIMPLE["system_and_user"], {"tools": TOOLS}))
+    out.append(
+        (
+            "llama3",
+            "tools_in_system",
+            SIMPLE["multi_turn"],
+            {"tools": TOOLS, "tools_in_user_message": False, "date_string": "01 Mar 2025"},
+        )
+    )
+    out.append(("pyisms", "multimodal", MULTIMODAL, {}))
+    return out
+
+
+# (template, messages, the message raise_exception is called with)
+ERROR_CASES: list[tuple[str, list[Message], str]] = [
+    (
+        "llama3",
+        [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+        "Conversation roles must alternate user/assistant/user/assistant/...",
+    ),
+    (
+        "mistral",
+        [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+        "After the optional system message, conversation roles must alternate "
+        "user/assistant/user/assistant/...",
+    ),
+    ("pyisms", [{"role": "narrator", "content": "x"}], "Unknown role: narrator"),
+]
+
+
+def reference_environment() -> jinja2.Environment:
+    """The environment transformers' _compile_jinja_template builds (less its
+    {% generation %} extension, which these fixtures do not use)."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | str | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def special_token_strings(family: str) -> dict[str, str]:
+    """transformers passes special_tokens_map: only the tokens that are set, as strings."""
+    out: dict[str, str] = {}
+    for key, value in SPECIAL_TOKENS[family].items():
+        if isinstance(value, dict):
+            out[key] = value["content"]
+        elif isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def render_reference(family: str, messages: list[Message], extra: dict[str, Any]) -> str:
+    template = reference_environment().from_string((TEMPLATES / f"{family}.jinja").read_text())
+    variables: dict[str, Any] = {**special_token_strings(family), **extra}
+    variables.setdefault("tools", None)
+    variables.setdefault("documents", None)
+    return template.render(messages=messages, add_generation_prompt=True, **variables)
+
+
+def write_tokenizer_json(path: Path) -> None:
+    """A tiny byte-level BPE with every special token the fixtures name."""
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=ALL_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["hello world", "the weather is nice", "héllo wörld"], trainer=trainer)
+    tok.save(str(path))
+
+
+def build_model_folder(root: Path, family: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_json(root / "tokenizer.json")
+    config: dict[str, Any] = {
+        **SPECIAL_TOKENS[family],
+        "chat_template": (TEMPLATES / f"{family}.jinja").read_text(),
+        "model_max_length": 32768,
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "messages", "extra"), cases(), ids=[f"{c[0]}-{c[1]}" for c in cases()]
+)
+def test_template_matches_jinja2(
+    tmp_path: Path, family: str, name: str, messages: list[Message], extra: dict[str, Any]
+) -> None:
+    expected = render_reference(family, messages, extra)
+    tokenizer = Tokenizer.from_dir(build_model_folder(tmp_path / family, family))
+    got = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+    assert got == expected, f"{family}/{name}"
+
+
+@pytest.mark.parametrize(
+    ("family", "messages", "message"), ERROR_CASES, ids=[c[0] for c in ERROR_CASES]
+)
+def test_raise_exception_is_invalid_request(
+    tmp_path: Path, family: str, messages: list[Message], message: str
+) -> None:
+    with pytest.raises(jinja2.exceptions.TemplateError, match=re.escape(message)):
+        render_reference(family, messages, {})
+    tokenizer = Tokenizer.from_dir(build_model_folder(tmp_path / family, family))
+    with pytest.raises(InvalidRequest, match=re.escape(f"messages: {message}")):
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_reference_renders_every_fixture() -> None:
+    """Guards the fixtures themselves: each renders, and differently per conversation."""
+    for family in SPECIAL_TOKENS:
+        outputs = {render_reference(family, messages, {}) for messages in SIMPLE.values()}
+        assert len(outputs) == len(SIMPLE), family

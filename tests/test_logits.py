@@ -1,0 +1,186 @@
+"""Engine logits against the independent NumPy reference (tests/reference.py).
+
+Model folders come from the session-scoped `model_dir` fixture in conftest.py
+(built once per argument set); reference logits are cached per folder here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import strata_rs
+from reference import reference_logits
+from strata_rs.testing.models import FAMILIES
+
+pytestmark = pytest.mark.anyio
+
+VOCAB = 512  # the tiny preset's vocab_size
+# ~100 tokens: well past the tiny presets' original_max_position_embeddings
+# (32), so llama3/linear RoPE scaling matters.  Seeded so failures reproduce.
+SEQ = np.random.default_rng(2024).integers(0, VOCAB, 100).tolist()
+
+F32_REL_TOL = 1e-4  # of the reference logits' range
+LOW_PRECISION_ARGMAX = 0.99
+# bf16/f16 engines may compute in low precision; this only catches gross errors.
+LOW_PRECISION_REL_TOL = 0.05
+
+MakeModel = Callable[..., Path]
+
+_reference_cache: dict[tuple[Path, tuple[int, ...]], np.ndarray] = {}
+
+
+def reference(path: Path, ids: Sequence[int]) -> np.ndarray:
+    key = (path, tuple(ids))
+    if key not in _reference_cache:
+        _reference_cache[key] = reference_logits(path, list(ids))
+    return _reference_cache[key]
+
+
+async def engine_logits(
+    path: Path, batches: Sequence[Sequence[int]], **load_args: Any
+) -> list[np.ndarray]:
+    """Logits of each id list, in order, from one engine instance."""
+    engine = await strata_rs.Engine.load(str(path), **load_args)
+    try:
+        return [await engine.logits(list(ids)) for ids in batches]
+    finally:
+        await engine.close()
+
+
+def assert_close(actual: np.ndarray, expected: np.ndarray, rel_tol: float = F32_REL_TOL) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == np.float32
+    assert np.isfinite(actual).all()
+    span = float(expected.max() - expected.min())
+    diff = np.abs(actual.astype(np.float64) - expected)
+    worst = np.unravel_index(int(diff.argmax()), diff.shape)
+    assert diff.max() <= rel_tol * span, (
+        f"max |engine - reference| = {diff.max():.3g} at (pos, token) {worst}, "
+        f"tolerance {rel_tol * span:.3g} (range {span:.3g})"
+    )
+
+
+def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray) -> None:
+    assert actual.shape == expected.shape
+    assert np.isfinite(actual).all()
+    same = actual.argmax(axis=1) == expected.argmax(axis=1)
+    assert same.mean() >= LOW_PRECISION_ARGMAX, (
+        f"argmax differs at positions {np.flatnonzero(~same).tolist()}"
+    )
+    span = float(expected.max() - expected.min())
+    assert np.abs(actual - expected).max() <= LOW_PRECISION_REL_TOL * span
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_logits_match_reference(model_dir: MakeModel, family: str, dtype: str) -> None:
+    path = model_dir(family, dtype)
+    (logits,) = await engine_logits(path, [SEQ], device="cpu")
+    expected = reference(path, SEQ)  # reads the same (rounded) weights, upcast
+    if dtype == "f32":
+        assert_close(logits, expected)
+    else:
+        assert_argmax_agrees(logits, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_chunking_does_not_change_logits(model_dir: MakeModel, family: str) -> None:
+    # 1: token-by-token decode through the KV cache; 7: chunked prefill with a
+    # ragged last chunk; 4096: the whole prompt in one step.
+    path = model_dir(family)
+    runs = {}
+    for max_batch_tokens in (1, 7, 4096):
+        (runs[max_batch_tokens],) = await engine_logits(
+            path, [SEQ], device="cpu", max_batch_tokens=max_batch_tokens
+        )
+    expected = reference(path, SEQ)
+    for logits in runs.values():
+        assert_close(logits, expected)
+    span = float(expected.max() - expected.min())
+    assert np.abs(runs[1] - runs[7]).max() <= F32_REL_TOL * span
+    assert np.abs(runs[1] - runs[4096]).max() <= F32_REL_TOL * span
+
+
+@pytest.mark.parametrize("max_batch_tokens", [1, 7, 4096])
+async def test_mistral_sliding_window(model_dir: MakeModel, max_batch_tokens: int) -> None:
+    ids = SEQ[:40]
+    path = model_dir("mistral", sliding_window=8)
+    expected = reference(path, ids)
+    # The window must matter for this test to mean anything.
+    unwindowed = reference(model_dir("mistral"), ids)
+    assert np.abs(expected[8:] - unwindowed[8:]).max() > 100 * F32_REL_TOL * float(np.ptp(expected))
+    (logits,) = await engine_logits(path, [ids], device="cpu", max_batch_tokens=max_batch_tokens)
+    assert_close(logits, expected)
+
+
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("llama", {"rope_scaling": None}),
+    ("llama", {"attention_bias": True}),  # q/k/v and o biases
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"head_dim": None}),  # derived from hidden_size / heads
+    ("llama", {"shards": 3}),
+    ("mistral", {"tie_word_embeddings": False, "rope_scaling": None}),
+    ("qwen2", {"tie_word_embeddings": True}),
+    # A Qwen2 sliding_window is ignored unless use_sliding_window is set.
+    ("qwen2", {"sliding_window": 8, "use_sliding_window": False}),
+    ("qwen3", {"head_dim": 32}),  # head_dim != hidden_size / heads, as in real Qwen3
+    ("qwen3", {"num_key_value_heads": 1}),  # MQA
+    ("qwen3", {"rope_theta": 1000000.0}),
+]
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    VARIANTS,
+    ids=[f"{f}-" + "-".join(f"{k}={v}" for k, v in o.items()) for f, o in VARIANTS],
+)
+async def test_config_variants(
+    model_dir: MakeModel, family: str, overrides: dict[str, Any]
+) -> None:
+    path = model_dir(family, **overrides)
+    ids = SEQ[:48]
+    (logits,) = await engine_logits(path, [ids], device="cpu", max_batch_tokens=16)
+    assert_close(logits, reference(path, ids))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_shared_prefix_requests(model_dir: MakeModel, family: str) -> None:
+    # Requests that share a prefix with earlier ones (where a prefix cache may
+    # reuse KV) must give the same logits as a fresh computation.
+    path = model_dir(family)
+    a = SEQ[:60]
+    b = SEQ[:45] + SEQ[70:90]  # diverges after 45 tokens
+    c = SEQ[:60] + SEQ[90:100]  # extends a
+    outs = await engine_logits(path, [a, b, c, a], device="cpu", max_batch_tokens=16)
+    for ids, logits in zip((a, b, c, a), outs, strict=True):
+        assert_close(logits, reference(path, ids))
+
+
+async def test_smollm_shape_matches_reference(model_dir: MakeModel) -> None:
+    # Real-size shape (30 layers, 9 heads / 3 KV heads, head_dim 64).
+    path = model_dir("llama", "f32", "smollm-135m")
+    ids = np.random.default_rng(7).integers(0, 49152, 64).tolist()
+    (logits,) = await engine_logits(path, [ids], device="cpu")
+    assert_close(logits, reference(path, ids))
+
+
+@pytest.mark.skipif(not strata_rs.cuda_devices(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_cuda_matches_reference(model_dir: MakeModel, family: str, dtype: str) -> None:
+    path = model_dir(family, dtype)
+    runs = [
+        (await engine_logits(path, [SEQ], device="cuda", max_batch_tokens=n))[0]
+        for n in (1, 7, 4096)
+    ]
+    expected = reference(path, SEQ)
+    for logits in runs:
+        if dtype == "f32":
+            # GPU reductions reorder sums; still far below any real bug.
+            assert_close(logits, expected, rel_tol=1e-3)
+        else:
+            assert_argmax_agrees(logits, expected)
