@@ -2,10 +2,12 @@
 //! activations read), a prefill-shaped linear, and decode paged attention.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use half::bf16;
+use half::{bf16, f16};
 use std::hint::black_box;
 use std::time::Duration;
-use strata_rs::model::kernels::cpu::attention::{paged_attention, AttnRow, KvLayer};
+use strata_rs::model::kernels::cpu::attention::{
+    paged_attention, AttnRow, AttnScratch, KvData, KvLayer,
+};
 use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
 use strata_rs::model::kernels::cpu::{MatRef, WeightData};
 
@@ -51,44 +53,54 @@ fn bench_attention(c: &mut Criterion) {
         .measurement_time(Duration::from_secs(2))
         .warm_up_time(Duration::from_millis(500));
     let (n_heads, kv_heads, head_dim, block_size) = (9usize, 3usize, 64usize, 16usize);
+    let threads = rayon::current_num_threads();
     for &ctx in &[512usize, 2048] {
         let blocks = ctx.div_ceil(block_size);
         let len = blocks * block_size * kv_heads * head_dim;
         let (k, v) = (values(len, 3), values(len, 4));
+        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
         // Reversed block order: a non-contiguous table like a real pool's.
         let tables: Vec<u32> = (0..blocks as u32).rev().collect();
-        let kv = KvLayer {
-            k: &k,
-            v: &v,
-            block_size,
-            kv_heads,
-            head_dim,
-        };
-        let rows = [AttnRow {
-            pos: (ctx - 1) as u32,
-            table_start: 0,
-            table_len: blocks as u32,
-        }];
-        let q = values(n_heads * head_dim, 5);
-        let mut out = vec![0.0f32; n_heads * head_dim];
-        let scale = 1.0 / (head_dim as f32).sqrt();
-        g.throughput(Throughput::Bytes(
-            (2 * ctx * kv_heads * head_dim * 4) as u64,
-        ));
-        g.bench_function(format!("ctx{ctx}"), |b| {
-            b.iter(|| {
-                paged_attention(
-                    black_box(&q),
-                    &rows,
-                    &tables,
-                    &kv,
-                    n_heads,
-                    scale,
-                    None,
-                    &mut out,
-                )
-            })
-        });
+        for (name, kd, vd, size) in [
+            ("f32", KvData::F32(&k), KvData::F32(&v), 4),
+            ("f16", KvData::F16(&k16), KvData::F16(&v16), 2),
+        ] {
+            let kv = KvLayer {
+                k: kd,
+                v: vd,
+                block_size,
+                kv_heads,
+                head_dim,
+            };
+            let rows = [AttnRow {
+                pos: (ctx - 1) as u32,
+                table_start: 0,
+                table_len: blocks as u32,
+            }];
+            let q = values(n_heads * head_dim, 5);
+            let mut out = vec![0.0f32; n_heads * head_dim];
+            let mut scratch = AttnScratch::new(1, n_heads, head_dim, threads);
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            g.throughput(Throughput::Bytes(
+                (2 * ctx * kv_heads * head_dim * size) as u64,
+            ));
+            g.bench_function(format!("ctx{ctx}_{name}"), |b| {
+                b.iter(|| {
+                    paged_attention(
+                        black_box(&q),
+                        &rows,
+                        &tables,
+                        &kv,
+                        n_heads,
+                        scale,
+                        None,
+                        &mut out,
+                        &mut scratch,
+                    )
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use strata_rs::engine::runner::ModelRunner;
 use strata_rs::error::StrataError;
+use strata_rs::kv::blocks::KvDtype;
 use strata_rs::model::forward::{LogitsWanted, SeqChunk};
 use strata_rs::model::testing::{write_safetensors, TestModel};
 use strata_rs::model::weights::DType;
@@ -11,7 +12,13 @@ use strata_rs::model::Model;
 
 fn runner(dir: &Path, max_batch_tokens: usize) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
-    ModelRunner::new(model, 64, 16, max_batch_tokens, 2).unwrap()
+    let kv_dtype = KvDtype::for_weights(model.dtype);
+    ModelRunner::new(model, 64, 16, max_batch_tokens, 2, kv_dtype).unwrap()
+}
+
+fn runner_kv(dir: &Path, max_batch_tokens: usize, kv_dtype: KvDtype) -> ModelRunner {
+    let model = Model::load(dir, 512).unwrap();
+    ModelRunner::new(model, 64, 16, max_batch_tokens, 2, kv_dtype).unwrap()
 }
 
 fn ids(n: usize, vocab: u32, seed: u32) -> Vec<u32> {
@@ -113,6 +120,46 @@ fn bf16_and_f16_weights_track_f32() {
         assert!(
             agree >= 45,
             "{dtype:?}: argmax agrees at only {agree}/50 positions"
+        );
+    }
+}
+
+#[test]
+fn f16_kv_cache_chunks_consistently_and_tracks_f32_kv() {
+    for family in ["llama", "qwen3"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = TestModel::tiny(family);
+        m.dtype = DType::Bf16;
+        m.write(dir.path()).unwrap();
+        let tokens = ids(300, 256, 5);
+        let mut r = runner(dir.path(), 512);
+        assert_eq!(r.kv.kv_dtype(), KvDtype::F16, "bf16 weights get f16 K/V");
+        let at_once = r.all_logits(&tokens).unwrap();
+        let tol = 1e-4 * range(&at_once);
+        for step in [1, 7, 512] {
+            let mut r = runner_kv(dir.path(), step, KvDtype::F16);
+            let chunked = r.all_logits(&tokens).unwrap();
+            let d = max_abs_diff(&at_once, &chunked);
+            assert!(d <= tol, "{family}: step {step}: max diff {d} > {tol}");
+        }
+        let mut r = runner_kv(dir.path(), 512, KvDtype::F32);
+        assert_eq!(r.kv.kv_dtype(), KvDtype::F32);
+        let f32_kv = r.all_logits(&tokens).unwrap();
+        let agree = f32_kv
+            .chunks(256)
+            .zip(at_once.chunks(256))
+            .filter(|(a, b)| argmax(a) == argmax(b))
+            .count();
+        assert!(
+            agree * 100 >= 95 * tokens.len(),
+            "{family}: f16 K/V argmax agrees with f32 K/V at only {agree}/{}",
+            tokens.len()
+        );
+        // Close in value too, not only in argmax.
+        let d = max_abs_diff(&f32_kv, &at_once);
+        assert!(
+            d <= 0.05 * range(&f32_kv),
+            "{family}: f16 vs f32 K/V differ by {d}"
         );
     }
 }

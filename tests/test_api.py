@@ -121,6 +121,15 @@ async def test_token_id_errors_and_context_overflow(model_dir: MakeModel) -> Non
         await engine.close()
 
 
+async def test_kv_format_follows_the_weights(model_dir: MakeModel) -> None:
+    for dtype, kv in (("f32", "f32"), ("bf16", "f16"), ("f16", "f16")):
+        engine = await Engine.load(model_dir("llama", dtype))
+        try:
+            assert (engine.info["dtype"], engine.info["kv_dtype"]) == (dtype, kv)
+        finally:
+            await engine.close()
+
+
 async def test_close_is_idempotent_and_final(model_dir: MakeModel) -> None:
     engine = await Engine.load(model_dir("qwen2"))
     assert not engine.closed

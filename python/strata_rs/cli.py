@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=32, help="decode steps timed per context")
     b.add_argument("--repeats", type=int, default=3, help="repeats per prefill (median shown)")
     b.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    b.add_argument(
+        "--compare",
+        choices=("llama.cpp",),
+        default=None,
+        help="also run this peer on the same weights, interleaved with strata-rs round by round",
+    )
+    b.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --compare")
 
     i = sub.add_parser("info", help="show what a model folder is and how it would load")
     i.add_argument("--model", type=Path, required=True)
@@ -64,15 +71,73 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         info = engine.info
-        result = await engine.benchmark(
-            prefill_lens=args.prefill,
-            decode_contexts=args.decode_context,
-            decode_steps=args.steps,
-            repeats=args.repeats,
-        )
+        if args.compare is None:
+            result = await engine.benchmark(
+                prefill_lens=args.prefill,
+                decode_contexts=args.decode_context,
+                decode_steps=args.steps,
+                repeats=args.repeats,
+            )
+            return {"engine": info, **result}
+        return {"engine": info, **await _compare(args, engine, info)}
     finally:
         await engine.close()
-    return {"engine": info, **result}
+
+
+async def _compare(args: argparse.Namespace, engine: Any, info: dict[str, Any]) -> dict[str, Any]:
+    """strata-rs and the peer alternate round by round (A B A B ...), so that a noisy machine
+    slows both alike; each figure is the median over rounds."""
+    import statistics
+    import tempfile
+
+    from strata_rs.bench.gguf_export import export_gguf
+    from strata_rs.bench.peers import llama_cpp_available, llama_cpp_bench
+
+    hint = llama_cpp_available()
+    if hint is not None:
+        raise SystemExit(f"strata-rs: llama.cpp is not installed; {hint}")
+    threads = info["threads"]
+    ours: list[dict[str, Any]] = []
+    peer: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = export_gguf(args.model, Path(tmp) / "model.gguf", dtype=info["dtype"])
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}: strata-rs", file=sys.stderr, flush=True)
+            ours.append(
+                await engine.benchmark(
+                    prefill_lens=args.prefill,
+                    decode_contexts=args.decode_context,
+                    decode_steps=args.steps,
+                    repeats=args.repeats,
+                )
+            )
+            print(f"round {r + 1}/{args.rounds}: llama.cpp", file=sys.stderr, flush=True)
+            peer.append(
+                llama_cpp_bench(
+                    gguf, threads, args.prefill, args.decode_context, args.steps, args.repeats
+                )
+            )
+
+    def med(runs: list[dict[str, Any]], key: str) -> dict[int, float]:
+        return {int(n): statistics.median(float(r[key][n]) for r in runs) for n in runs[0][key]}
+
+    result: dict[str, Any] = {
+        "prefill_tok_s": med(ours, "prefill_tok_s"),
+        "decode_tok_s": med(ours, "decode_tok_s"),
+        "decode_weight_bytes": ours[0]["decode_weight_bytes"],
+        "read_bandwidth_gb_s": {
+            n: statistics.median(r["read_bandwidth_gb_s"][n] for r in ours)
+            for n in ours[0]["read_bandwidth_gb_s"]
+        },
+        "peer": {
+            "name": "llama.cpp",
+            "version": peer[0]["version"],
+            "prefill_tok_s": med(peer, "prefill_tok_s"),
+            "decode_tok_s": med(peer, "decode_tok_s"),
+        },
+        "rounds": {"strata-rs": ours, "llama.cpp": peer},
+    }
+    return result
 
 
 def _print_bench(r: dict[str, Any]) -> None:
@@ -94,6 +159,15 @@ def _print_bench(r: dict[str, Any]) -> None:
         )
     for size, gbs in bw.items():
         print(f"read bandwidth over {size / 2**20:8.0f} MiB: {gbs:6.1f} GB/s")
+    peer = r.get("peer")
+    if peer is not None:
+        name = f"{peer['name']} {peer['version']}"
+        print(f"\nmedians of {len(r['rounds']['strata-rs'])} interleaved rounds (tok/s):")
+        print(f"{'':24}{'strata-rs':>12}{name:>20}{'ratio':>8}")
+        for kind, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode at context")):
+            for n, ours in r[kind].items():
+                theirs = peer[kind][n]
+                print(f"{label + ' ' + str(n):24}{ours:12.1f}{theirs:20.1f}{ours / theirs:8.2f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

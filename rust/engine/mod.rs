@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use crate::bench::{self, BenchReport, BenchSpec};
 use crate::device::{self, Device};
 use crate::error::{Result, StrataError};
-use crate::kv::blocks::BlockPool;
+use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Model;
@@ -55,6 +55,8 @@ pub struct EngineInfo {
     pub model_dir: PathBuf,
     pub config: ModelConfig,
     pub dtype: &'static str,
+    /// Format of the K/V cache ("f32" or "f16").
+    pub kv_dtype: &'static str,
     pub device: String,
     pub threads: usize,
     pub max_context: usize,
@@ -108,11 +110,17 @@ impl Engine {
             Some(n) => n,
             None => config.max_position_embeddings,
         };
+        // The RoPE table covers the requested context; the pool may clamp it below.
+        let model = Model::load(dir, max_context)?;
+        // f32 weights keep exact f32 K/V; f16/bf16 weights get f16 K/V (llama.cpp's default),
+        // which halves the bytes attention reads per token.
+        let kv_dtype = KvDtype::for_weights(model.dtype);
         let block_bytes = BlockPool::block_bytes(
             config.num_layers,
             BLOCK_SIZE,
             config.num_kv_heads,
             config.head_dim,
+            kv_dtype,
         );
         let kv_blocks = match opts.kv_memory_mib {
             Some(mib) => (mib << 20) / block_bytes,
@@ -123,14 +131,21 @@ impl Engine {
         };
         // One sequence must fit in the pool, else no request of max_context could ever run.
         let max_context = max_context.min(kv_blocks * BLOCK_SIZE);
-        let model = Model::load(dir, max_context)?;
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
         let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
-        let mut runner = ModelRunner::new(model, kv_blocks, BLOCK_SIZE, max_batch_tokens, threads)?;
+        let mut runner = ModelRunner::new(
+            model,
+            kv_blocks,
+            BLOCK_SIZE,
+            max_batch_tokens,
+            threads,
+            kv_dtype,
+        )?;
         let info = EngineInfo {
             model_dir: dir.to_path_buf(),
             dtype,
             decode_weight_bytes,
+            kv_dtype: kv_dtype.name(),
             config,
             device: opts.device.name(),
             threads,

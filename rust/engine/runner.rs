@@ -1,7 +1,7 @@
 //! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps.
 
 use crate::error::{Result, StrataError};
-use crate::kv::blocks::BlockPool;
+use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::forward::{LogitsWanted, SeqChunk, Workspace};
 use crate::model::Model;
 
@@ -19,6 +19,7 @@ impl ModelRunner {
         block_size: usize,
         max_batch_tokens: usize,
         threads: usize,
+        kv_dtype: KvDtype,
     ) -> Result<ModelRunner> {
         let c = &model.config;
         let kv = BlockPool::new(
@@ -27,6 +28,7 @@ impl ModelRunner {
             block_size,
             c.num_kv_heads,
             c.head_dim,
+            kv_dtype,
         )?;
         let ws = Workspace::new(&model, max_batch_tokens, threads);
         let pool = rayon::ThreadPoolBuilder::new()

@@ -1,15 +1,74 @@
 //! BlockPool: the device's K/V memory, cut into fixed-size blocks of `block_size` tokens.
 //!
-//! Layout per layer: K and V are each `[num_blocks, block_size, kv_heads, head_dim]` f32. A
+//! Layout per layer: K and V are each `[num_blocks, block_size, kv_heads, head_dim]`, stored as
+//! f32 or f16 ([`KvDtype`]; rows are written as f32 and rounded to nearest). A
 //! sequence owns a block table; its token at position p lives in block `table[p / block_size]`,
 //! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix.
 
 use crate::error::{Result, StrataError};
-use crate::model::kernels::cpu::attention::KvLayer;
+use crate::model::kernels::cpu::attention::{KvData, KvLayer};
+use crate::model::weights::DType;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
-struct LayerStore {
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// The element type of the K/V cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+}
+
+impl KvDtype {
+    /// The cache format for a model's weights: f32 models keep exact f32 K/V; f16 and bf16
+    /// models get f16 (llama.cpp's default), which halves the K/V read per decoded token.
+    pub fn for_weights(d: DType) -> KvDtype {
+        match d {
+            DType::F32 => KvDtype::F32,
+            DType::F16 | DType::Bf16 => KvDtype::F16,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+        }
+    }
+}
+
+enum LayerStore {
+    F32 { k: Vec<f32>, v: Vec<f32> },
+    F16 { k: Vec<f16>, v: Vec<f16> },
+}
+
+/// Element types whose all-zero bit pattern is the value 0.
+trait ZeroBits: Copy {}
+impl ZeroBits for f32 {}
+impl ZeroBits for f16 {}
+
+/// A vector of `n` zeros, or an error when the memory is not there. Allocated zeroed (calloc):
+/// the OS backs the pages lazily, so untouched blocks cost no RAM.
+fn zeroed<T: ZeroBits>(n: usize) -> std::result::Result<Vec<T>, ()> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(n).map_err(|_| ())?;
+    // SAFETY: `layout` has a non-zero size; a null return is handled.
+    let p = unsafe { std::alloc::alloc_zeroed(layout) } as *mut T;
+    if p.is_null() {
+        return Err(());
+    }
+    // SAFETY: `p` was allocated by the global allocator with the layout of `n` `T`s, and all
+    // `n` are initialised: zero bits are a valid `T` (ZeroBits).
+    Ok(unsafe { Vec::from_raw_parts(p, n, n) })
 }
 
 pub struct BlockPool {
@@ -17,6 +76,7 @@ pub struct BlockPool {
     num_blocks: usize,
     kv_heads: usize,
     head_dim: usize,
+    kv_dtype: KvDtype,
     layers: Vec<LayerStore>,
     refcount: Vec<u32>,
     /// Free block ids; popped from the end, so recently freed blocks are reused first.
@@ -30,8 +90,9 @@ impl BlockPool {
         block_size: usize,
         kv_heads: usize,
         head_dim: usize,
+        kv_dtype: KvDtype,
     ) -> usize {
-        num_layers * 2 * block_size * kv_heads * head_dim * std::mem::size_of::<f32>()
+        num_layers * 2 * block_size * kv_heads * head_dim * kv_dtype.size()
     }
 
     pub fn new(
@@ -40,6 +101,7 @@ impl BlockPool {
         block_size: usize,
         kv_heads: usize,
         head_dim: usize,
+        kv_dtype: KvDtype,
     ) -> Result<BlockPool> {
         if num_blocks == 0 || block_size == 0 {
             return Err(StrataError::invalid(
@@ -51,27 +113,30 @@ impl BlockPool {
             .checked_mul(block_size * kv_heads * head_dim)
             .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
         let mut layers = Vec::with_capacity(num_layers);
+        let oom = |_| {
+            StrataError::Internal(format!(
+                "cannot allocate the K/V pool ({} MiB)",
+                (num_layers * per_layer * 2 * kv_dtype.size()) >> 20
+            ))
+        };
         for _ in 0..num_layers {
-            // Zeroed allocations are lazily backed by the OS: untouched blocks cost no RAM.
-            let mut k = Vec::new();
-            let mut v = Vec::new();
-            k.try_reserve_exact(per_layer)
-                .and_then(|_| v.try_reserve_exact(per_layer))
-                .map_err(|_| {
-                    StrataError::Internal(format!(
-                        "cannot allocate the K/V pool ({} MiB)",
-                        (num_layers * per_layer * 8) >> 20
-                    ))
-                })?;
-            k.resize(per_layer, 0.0);
-            v.resize(per_layer, 0.0);
-            layers.push(LayerStore { k, v });
+            layers.push(match kv_dtype {
+                KvDtype::F32 => LayerStore::F32 {
+                    k: zeroed(per_layer).map_err(oom)?,
+                    v: zeroed(per_layer).map_err(oom)?,
+                },
+                KvDtype::F16 => LayerStore::F16 {
+                    k: zeroed(per_layer).map_err(oom)?,
+                    v: zeroed(per_layer).map_err(oom)?,
+                },
+            });
         }
         Ok(BlockPool {
             block_size,
             num_blocks,
             kv_heads,
             head_dim,
+            kv_dtype,
             layers,
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
@@ -80,6 +145,10 @@ impl BlockPool {
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.kv_dtype
     }
 
     pub fn num_blocks(&self) -> usize {
@@ -124,19 +193,31 @@ impl BlockPool {
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 
-    /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`.
+    /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`; an f16
+    /// cache rounds them to nearest.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let d = self.kv_heads * self.head_dim;
-        let store = &mut self.layers[layer];
-        store.k[slot * d..(slot + 1) * d].copy_from_slice(k);
-        store.v[slot * d..(slot + 1) * d].copy_from_slice(v);
+        let r = slot * d..(slot + 1) * d;
+        match &mut self.layers[layer] {
+            LayerStore::F32 { k: sk, v: sv } => {
+                sk[r.clone()].copy_from_slice(k);
+                sv[r].copy_from_slice(v);
+            }
+            LayerStore::F16 { k: sk, v: sv } => {
+                sk[r.clone()].convert_from_f32_slice(k);
+                sv[r].convert_from_f32_slice(v);
+            }
+        }
     }
 
     pub fn layer(&self, layer: usize) -> KvLayer<'_> {
-        let store = &self.layers[layer];
+        let (k, v) = match &self.layers[layer] {
+            LayerStore::F32 { k, v } => (KvData::F32(k), KvData::F32(v)),
+            LayerStore::F16 { k, v } => (KvData::F16(k), KvData::F16(v)),
+        };
         KvLayer {
-            k: &store.k,
-            v: &store.v,
+            k,
+            v,
             block_size: self.block_size,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
@@ -150,7 +231,7 @@ mod tests {
 
     #[test]
     fn allocate_release_and_share() {
-        let mut pool = BlockPool::new(2, 4, 16, 2, 8).unwrap();
+        let mut pool = BlockPool::new(2, 4, 16, 2, 8, KvDtype::F32).unwrap();
         let a = pool.allocate(3).unwrap();
         assert_eq!(pool.num_free(), 1);
         assert!(pool.allocate(2).is_none(), "all-or-nothing");
@@ -164,13 +245,45 @@ mod tests {
 
     #[test]
     fn slots_follow_the_block_table() {
-        let mut pool = BlockPool::new(1, 4, 4, 1, 2).unwrap();
+        let mut pool = BlockPool::new(1, 4, 4, 1, 2, KvDtype::F32).unwrap();
         let table = [3u32, 1];
         assert_eq!(pool.slot(&table, 0), 12);
         assert_eq!(pool.slot(&table, 5), 5);
         pool.write(0, pool.slot(&table, 5), &[1.0, 2.0], &[3.0, 4.0]);
         let l = pool.layer(0);
-        assert_eq!(&l.k[10..12], &[1.0, 2.0]);
-        assert_eq!(&l.v[10..12], &[3.0, 4.0]);
+        let got: Vec<f32> = (10..12).map(|i| l.k.get(i)).collect();
+        assert_eq!(got, [1.0, 2.0]);
+        let got: Vec<f32> = (10..12).map(|i| l.v.get(i)).collect();
+        assert_eq!(got, [3.0, 4.0]);
+    }
+
+    #[test]
+    fn f16_pool_rounds_to_nearest() {
+        let mut pool = BlockPool::new(2, 2, 4, 1, 2, KvDtype::F16).unwrap();
+        assert_eq!(pool.kv_dtype(), KvDtype::F16);
+        let x = 1.0 + 1.0 / 3.0;
+        pool.write(1, 6, &[x, -70000.0], &[1e-9, 0.1]);
+        let l = pool.layer(1);
+        assert!(matches!(l.k, KvData::F16(_)));
+        assert_eq!(l.k.get(12), f16::from_f32(x).to_f32());
+        assert!((l.k.get(12) - x).abs() <= x * 2f32.powi(-11));
+        assert_eq!(l.k.get(13), f32::NEG_INFINITY, "beyond f16's range");
+        assert_eq!(l.v.get(12), f16::from_f32(1e-9).to_f32());
+        assert_eq!(l.v.get(13), f16::from_f32(0.1).to_f32());
+        // Layer 0 untouched.
+        assert_eq!(pool.layer(0).k.get(12), 0.0);
+    }
+
+    #[test]
+    fn dtype_for_weights_and_sizes() {
+        assert_eq!(KvDtype::for_weights(DType::F32), KvDtype::F32);
+        assert_eq!(KvDtype::for_weights(DType::F16), KvDtype::F16);
+        assert_eq!(KvDtype::for_weights(DType::Bf16), KvDtype::F16);
+        assert_eq!(KvDtype::F16.size(), 2);
+        assert_eq!(KvDtype::F32.name(), "f32");
+        assert_eq!(
+            BlockPool::block_bytes(30, 16, 3, 64, KvDtype::F32),
+            2 * BlockPool::block_bytes(30, 16, 3, 64, KvDtype::F16)
+        );
     }
 }

@@ -6,7 +6,7 @@
 
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::BlockPool;
-use crate::model::kernels::cpu::attention::{paged_attention, AttnRow};
+use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch};
 use crate::model::kernels::cpu::embedding::embed;
 use crate::model::kernels::cpu::matmul::{linear, MatmulScratch};
 use crate::model::kernels::cpu::rmsnorm::{rmsnorm, rmsnorm_inplace};
@@ -48,6 +48,7 @@ pub struct Workspace {
     tables: Vec<u32>,
     slots: Vec<usize>,
     matmul: MatmulScratch,
+    attention: AttnScratch,
 }
 
 impl Workspace {
@@ -72,6 +73,7 @@ impl Workspace {
                 threads,
                 c.hidden_size.max(c.q_dim()).max(c.intermediate_size),
             ),
+            attention: AttnScratch::new(t, c.num_heads, c.head_dim, threads),
         }
     }
 
@@ -195,6 +197,7 @@ impl Model {
                 scale,
                 c.window(li),
                 attn,
+                &mut ws.attention,
             );
             linear(attn, n, l.o_proj.matrix(), l.o_bias.as_deref(), xn, mm);
             add_in_place(x, xn);

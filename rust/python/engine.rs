@@ -207,6 +207,7 @@ impl PyEngine {
         d.set_item("model_dir", i.model_dir.display().to_string())?;
         d.set_item("model_type", c.family.name())?;
         d.set_item("dtype", i.dtype)?;
+        d.set_item("kv_dtype", i.kv_dtype)?;
         d.set_item("device", &i.device)?;
         d.set_item("threads", i.threads)?;
         d.set_item("num_layers", c.num_layers)?;

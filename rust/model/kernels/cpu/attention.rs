@@ -1,6 +1,12 @@
 //! Grouped-query attention for one batch of query rows over a paged K/V cache.
+//!
+//! K/V rows are stored as f32 or f16 ([`KvData`]); all arithmetic is f32. Decode batches with few
+//! (row, K/V head) tasks split each long row's key range into segments (split-K, as in
+//! flash-decoding) so that every thread has work; the segments' partial softmax states are merged
+//! exactly afterwards.
 
 use super::swiglu::fast_exp;
+use half::f16;
 use rayon::prelude::*;
 
 /// Largest supported head dimension (stack accumulators are sized for it).
@@ -9,11 +15,43 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const MAX_GROUP: usize = 16;
 /// Keys scored per online-softmax step: one rescale of the accumulators per tile.
 const TILE: usize = 32;
+/// Fewest keys in a split-K segment (a multiple of TILE).
+const MIN_SEGMENT: usize = 128;
+/// Split-K is used while there are fewer than this many tasks per thread, and aims at that many.
+const TASKS_PER_THREAD: usize = 4;
+
+/// One layer's K or V storage, `[num_blocks, block_size, kv_heads, head_dim]`.
+#[derive(Clone, Copy, Debug)]
+pub enum KvData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+}
+
+impl KvData<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            KvData::F32(x) => x.len(),
+            KvData::F16(x) => x.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Element `i` as f32.
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            KvData::F32(x) => x[i],
+            KvData::F16(x) => x[i].to_f32(),
+        }
+    }
+}
 
 /// The K/V cache of one layer: `k`, `v` are each `[num_blocks, block_size, kv_heads, head_dim]`.
 pub struct KvLayer<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+    pub k: KvData<'a>,
+    pub v: KvData<'a>,
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -26,6 +64,87 @@ pub struct AttnRow {
     pub pos: u32,
     pub table_start: u32,
     pub table_len: u32,
+}
+
+/// One split-K segment: keys `lo..=hi` of row `t`, K/V head `g`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Segment {
+    t: u32,
+    g: u32,
+    lo: u32,
+    hi: u32,
+}
+
+/// Preallocated split-K scratch: the segment list and each segment's partial softmax state.
+pub struct AttnScratch {
+    threads: usize,
+    max_rows: usize,
+    /// Floats per segment: `n_heads * (head_dim + 2)` bounds `group * (head_dim + 2)`.
+    slot: usize,
+    segments: Vec<Segment>,
+    parts: Vec<f32>,
+}
+
+impl AttnScratch {
+    /// Scratch for batches of up to `max_rows` query rows of a model with `n_heads` query heads of
+    /// `head_dim`, run on `threads` threads (the count split-K plans for).
+    pub fn new(max_rows: usize, n_heads: usize, head_dim: usize, threads: usize) -> AttnScratch {
+        let threads = threads.max(1);
+        // Split-K runs only while tasks < TASKS_PER_THREAD * threads, and gives each task at most
+        // ceil(TASKS_PER_THREAD * threads / tasks) segments: fewer than 2x that many in all.
+        let cap = 2 * TASKS_PER_THREAD * threads;
+        let slot = n_heads * (head_dim + 2);
+        AttnScratch {
+            threads,
+            max_rows,
+            slot,
+            segments: Vec::with_capacity(cap),
+            parts: vec![0.0; cap * slot],
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.segments.capacity()
+    }
+}
+
+/// Whether to split rows into key segments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Split {
+    Auto,
+    /// One task per (row, kv head) always (the tests' baseline).
+    #[cfg_attr(not(test), allow(dead_code))]
+    Never,
+}
+
+/// The instruction set the kernel runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Plain,
+}
+
+fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx512;
+        }
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Plain
 }
 
 /// `out[t]` = softmax over visible `j` of `(q[t,h]·k[j,g]) * scale`, applied to `v[j,g]`, with
@@ -41,6 +160,7 @@ pub fn paged_attention(
     scale: f32,
     window: Option<usize>,
     out: &mut [f32],
+    scratch: &mut AttnScratch,
 ) {
     paged_attention_with(
         q,
@@ -51,7 +171,9 @@ pub fn paged_attention(
         scale,
         window,
         out,
-        attend_dispatch,
+        scratch,
+        detect_isa(),
+        Split::Auto,
     );
 }
 
@@ -65,7 +187,9 @@ fn paged_attention_with(
     scale: f32,
     window: Option<usize>,
     out: &mut [f32],
-    kernel: fn(&Group, &mut [f32]),
+    scratch: &mut AttnScratch,
+    isa: Isa,
+    split: Split,
 ) {
     let (hd, kvh, bs) = (kv.head_dim, kv.kv_heads, kv.block_size);
     assert!(
@@ -97,72 +221,257 @@ fn paged_attention_with(
             "attention: position beyond block table"
         );
     }
+    macro_rules! go {
+        ($k:expr, $v:expr) => {{
+            let c = Ctx {
+                q,
+                rows,
+                tables,
+                k: $k,
+                v: $v,
+                bs,
+                kvh,
+                hd,
+                n_heads,
+                group,
+                scale,
+                window,
+            };
+            run(&c, out, scratch, isa, split)
+        }};
+    }
+    match (kv.k, kv.v) {
+        (KvData::F32(k), KvData::F32(v)) => go!(k, v),
+        (KvData::F16(k), KvData::F16(v)) => go!(k, v),
+        _ => panic!("attention: k and v differ in dtype"),
+    }
+}
+
+/// One call's validated arguments, with K/V of element type `E`.
+struct Ctx<'a, E> {
+    q: &'a [f32],
+    rows: &'a [AttnRow],
+    tables: &'a [u32],
+    k: &'a [E],
+    v: &'a [E],
+    bs: usize,
+    kvh: usize,
+    hd: usize,
+    n_heads: usize,
+    group: usize,
+    scale: f32,
+    window: Option<usize>,
+}
+
+/// The visible keys `lo..=pos` of a row.
+fn visible(r: &AttnRow, window: Option<usize>) -> (usize, usize) {
+    let pos = r.pos as usize;
+    (window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
+}
+
+impl<E> Ctx<'_, E> {
+    fn group_args(&self, t: usize, g: usize, lo: usize, hi: usize) -> Group<'_, E> {
+        let row = self.rows[t];
+        let (hd, group) = (self.hd, self.group);
+        Group {
+            q: &self.q[t * self.n_heads * hd + g * group * hd..][..group * hd],
+            table: &self.tables
+                [row.table_start as usize..(row.table_start + row.table_len) as usize],
+            k: self.k,
+            v: self.v,
+            bs: self.bs,
+            kvh: self.kvh,
+            hd,
+            g,
+            group,
+            lo,
+            hi,
+            scale: self.scale,
+        }
+    }
+}
+
+fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: Isa, split: Split) {
+    let (hd, group) = (c.hd, c.group);
+    if split == Split::Auto && plan_segments(c, scratch) {
+        let slot = group * (hd + 2);
+        let AttnScratch {
+            segments, parts, ..
+        } = scratch;
+        let n = segments.len();
+        parts[..n * slot]
+            .par_chunks_mut(slot)
+            .zip(segments.par_iter())
+            .for_each(|(p, s)| {
+                let a = c.group_args(s.t as usize, s.g as usize, s.lo as usize, s.hi as usize);
+                kernel(isa, &a, p, true);
+            });
+        // Segments of one (row, head) are consecutive.
+        let mut i = 0;
+        while i < n {
+            let s0 = segments[i];
+            let mut e = i + 1;
+            while e < n && segments[e].t == s0.t && segments[e].g == s0.g {
+                e += 1;
+            }
+            let o =
+                &mut out[(s0.t as usize * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
+            merge(&parts[i * slot..e * slot], group, hd, o);
+            i = e;
+        }
+        return;
+    }
     // One task per (row, kv head): its query heads are contiguous in q and out.
     out.par_chunks_mut(group * hd)
         .enumerate()
         .for_each(|(i, o)| {
-            let (t, g) = (i / kvh, i % kvh);
-            let row = rows[t];
-            let qg = &q[t * n_heads * hd + g * group * hd..][..group * hd];
-            let table =
-                &tables[row.table_start as usize..(row.table_start + row.table_len) as usize];
-            let pos = row.pos as usize;
-            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let args = Group {
-                q: qg,
-                table,
-                kv,
-                g,
-                group,
-                lo,
-                pos,
-                scale,
-            };
-            kernel(&args, o);
+            let (t, g) = (i / c.kvh, i % c.kvh);
+            let (lo, hi) = visible(&c.rows[t], c.window);
+            kernel(isa, &c.group_args(t, g, lo, hi), o, false);
         });
 }
 
-struct Group<'a> {
+/// Fills `scratch.segments` with a split-K plan; false when splitting does not pay (enough tasks
+/// already, or no row long enough to split).
+fn plan_segments<E>(c: &Ctx<E>, scratch: &mut AttnScratch) -> bool {
+    let tasks = c.rows.len() * c.kvh;
+    let want = TASKS_PER_THREAD * scratch.threads;
+    if tasks == 0
+        || tasks >= want
+        || c.rows.len() > scratch.max_rows
+        || c.group * (c.hd + 2) > scratch.slot
+    {
+        return false;
+    }
+    let target = want.div_ceil(tasks);
+    let seg_len = |n: usize| {
+        let segs = target.min(n / MIN_SEGMENT).max(1);
+        n.div_ceil(segs).next_multiple_of(TILE)
+    };
+    let total: usize = c
+        .rows
+        .iter()
+        .map(|r| {
+            let (lo, hi) = visible(r, c.window);
+            let n = hi + 1 - lo;
+            n.div_ceil(seg_len(n)) * c.kvh
+        })
+        .sum();
+    if total == tasks || total > scratch.capacity() {
+        return false;
+    }
+    scratch.segments.clear();
+    for (t, r) in c.rows.iter().enumerate() {
+        let (lo, hi) = visible(r, c.window);
+        let len = seg_len(hi + 1 - lo);
+        for g in 0..c.kvh {
+            let mut s = lo;
+            while s <= hi {
+                let e = (s + len - 1).min(hi);
+                scratch.segments.push(Segment {
+                    t: t as u32,
+                    g: g as u32,
+                    lo: s as u32,
+                    hi: e as u32,
+                });
+                s = e + 1;
+            }
+        }
+    }
+    true
+}
+
+/// Merges segments' partial states (each `[group * hd acc | group max | group sum]`) into the
+/// normalised output of one (row, kv head).
+fn merge(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+    let slot = group * (hd + 2);
+    for h in 0..group {
+        let m = parts
+            .chunks_exact(slot)
+            .fold(f32::NEG_INFINITY, |m, p| m.max(p[group * hd + h]));
+        let o = &mut out[h * hd..(h + 1) * hd];
+        o.fill(0.0);
+        let mut sum = 0.0;
+        for p in parts.chunks_exact(slot) {
+            let w = (p[group * hd + h] - m).exp();
+            sum += w * p[group * hd + group + h];
+            for (x, &a) in o.iter_mut().zip(&p[h * hd..(h + 1) * hd]) {
+                *x += w * a;
+            }
+        }
+        let inv = 1.0 / sum;
+        for x in o.iter_mut() {
+            *x *= inv;
+        }
+    }
+}
+
+struct Group<'a, E> {
     q: &'a [f32],
     table: &'a [u32],
-    kv: &'a KvLayer<'a>,
+    k: &'a [E],
+    v: &'a [E],
+    bs: usize,
+    kvh: usize,
+    hd: usize,
     g: usize,
     group: usize,
+    /// Keys `lo..=hi`.
     lo: usize,
-    pos: usize,
+    hi: usize,
     scale: f32,
 }
 
-fn attend_dispatch(a: &Group, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx512f") {
-            // SAFETY: feature detected.
-            unsafe { attend_avx512(a, out) };
-            return;
-        }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: features detected.
-            unsafe { attend_avx2(a, out) };
-            return;
-        }
+/// A K/V element type.
+trait KvElem: Copy + Send + Sync {
+    const HALF: bool;
+    fn to_f32(self) -> f32;
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+}
+impl KvElem for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
     }
-    attend_plain(a, out);
+    #[inline(always)]
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+}
+impl KvElem for f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn as_f32(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+}
+
+fn kernel<E: KvElem>(isa: Isa, a: &Group<E>, out: &mut [f32], partial: bool) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: detect_isa checked the features (tests only pass ISAs they detected).
+        Isa::Avx512 => unsafe { attend_avx512(a, out, partial) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { attend_avx2(a, out, partial) },
+        Isa::Plain => attend::<Plain, E>(a, out, partial),
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn attend_avx512(a: &Group, out: &mut [f32]) {
-    attend::<Avx512>(a, out)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn attend_avx512<E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
+    attend::<Avx512, E>(a, out, partial)
 }
-// The plain helpers compiled with AVX2: the compiler vectorises the fixed-lane loops.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(a: &Group, out: &mut [f32]) {
-    attend::<Plain>(a, out)
-}
-fn attend_plain(a: &Group, out: &mut [f32]) {
-    attend::<Plain>(a, out)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn attend_avx2<E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
+    attend::<Avx2, E>(a, out, partial)
 }
 
 /// The vector primitives of the attention loop, per ISA.
@@ -171,12 +480,28 @@ trait Vops {
     ///
     /// # Safety
     /// The CPU supports the implementation's ISA.
-    unsafe fn dots(q: &[f32], kr: &[f32], s: &mut [f32]);
+    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]);
     /// `acc += sum_j p[j] * v[offs[j]..][..acc.len()]`.
     ///
     /// # Safety
     /// As for `dots`; every `offs[j] + acc.len() <= v.len()`.
-    unsafe fn tile_axpy(acc: &mut [f32], p: &[f32], v: &[f32], offs: &[usize]);
+    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]);
+    /// `s[h][j] = (q[h*hd..][..hd] · k[offs[j]..][..hd]) * scale` for a whole tile, when the
+    /// implementation has a special case for this shape; false (nothing written) otherwise.
+    ///
+    /// # Safety
+    /// As for `dots`; every `offs[j] + hd <= k.len()`, `q.len() >= s.len() * hd`.
+    #[inline(always)]
+    unsafe fn tile_dots<E: KvElem>(
+        _q: &[f32],
+        _k: &[E],
+        _offs: &[usize],
+        _hd: usize,
+        _s: &mut [[f32; TILE]],
+        _scale: f32,
+    ) -> bool {
+        false
+    }
 }
 
 /// Portable dot with 16 independent partial sums (vectorisable without fast-math).
@@ -200,37 +525,226 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 struct Plain;
 impl Vops for Plain {
     #[inline(always)]
-    unsafe fn dots(q: &[f32], kr: &[f32], s: &mut [f32]) {
+    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
         let hd = kr.len();
+        let mut buf = [0f32; MAX_HEAD_DIM];
+        let kf = match E::as_f32(kr) {
+            Some(k) => k,
+            None => {
+                for (b, &x) in buf.iter_mut().zip(kr) {
+                    *b = x.to_f32();
+                }
+                &buf[..hd]
+            }
+        };
         for (h, sv) in s.iter_mut().enumerate() {
-            *sv = dot(&q[h * hd..(h + 1) * hd], kr);
+            *sv = dot(&q[h * hd..(h + 1) * hd], kf);
         }
     }
     #[inline(always)]
-    unsafe fn tile_axpy(acc: &mut [f32], p: &[f32], v: &[f32], offs: &[usize]) {
+    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
         let hd = acc.len();
+        match E::as_f32(v) {
+            Some(vf) => {
+                for (&pj, &o) in p.iter().zip(offs) {
+                    for (x, &vv) in acc.iter_mut().zip(&vf[o..o + hd]) {
+                        *x += pj * vv;
+                    }
+                }
+            }
+            None => {
+                for (&pj, &o) in p.iter().zip(offs) {
+                    for (x, &vv) in acc.iter_mut().zip(&v[o..o + hd]) {
+                        *x += pj * vv.to_f32();
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Explicit AVX2 + F16C: 8 lanes, f16 rows widened with `vcvtph2ps`; tails in scalar code.
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+#[cfg(target_arch = "x86_64")]
+impl Avx2 {
+    #[inline(always)]
+    unsafe fn load8<E: KvElem>(p: *const E) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        if E::HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        } else {
+            _mm256_loadu_ps(p as *const f32)
+        }
+    }
+    #[inline(always)]
+    unsafe fn hsum(x: std::arch::x86_64::__m256) -> f32 {
+        use std::arch::x86_64::*;
+        let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+    /// `s[h] = q[h*hd..][..hd] · kr` for `h < N`; returns N.
+    #[inline(always)]
+    unsafe fn dots_n<E: KvElem, const N: usize>(q: &[f32], kr: &[E], s: &mut [f32]) -> usize {
+        use std::arch::x86_64::*;
+        let hd = kr.len();
+        assert!(q.len() >= N * hd && s.len() >= N);
+        let body = hd - hd % 8;
+        let mut acc = [_mm256_setzero_ps(); N];
+        let (kp, qp) = (kr.as_ptr(), q.as_ptr());
+        let mut c = 0;
+        while c < body {
+            let kv = Self::load8(kp.add(c));
+            for (h, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), kv, *a);
+            }
+            c += 8;
+        }
+        for (h, a) in acc.iter().enumerate() {
+            let mut x = Self::hsum(*a);
+            for i in body..hd {
+                x += q[h * hd + i] * kr[i].to_f32();
+            }
+            s[h] = x;
+        }
+        N
+    }
+    /// `acc[c..c + 8N] += sum_j p[j] * v[offs[j] + c..][..8N]`, the 8N floats kept in registers.
+    #[inline(always)]
+    unsafe fn axpy_pass<E: KvElem, const N: usize>(
+        ap: *mut f32,
+        p: &[f32],
+        vp: *const E,
+        offs: &[usize],
+        c: usize,
+    ) {
+        use std::arch::x86_64::*;
+        let mut a = [_mm256_setzero_ps(); N];
+        for (i, x) in a.iter_mut().enumerate() {
+            *x = _mm256_loadu_ps(ap.add(c + 8 * i));
+        }
         for (&pj, &o) in p.iter().zip(offs) {
-            for (x, &vv) in acc.iter_mut().zip(&v[o..o + hd]) {
-                *x += pj * vv;
+            let pv = _mm256_set1_ps(pj);
+            let row = vp.add(o + c);
+            for (i, x) in a.iter_mut().enumerate() {
+                *x = _mm256_fmadd_ps(pv, Self::load8(row.add(8 * i)), *x);
+            }
+        }
+        for (i, x) in a.iter().enumerate() {
+            _mm256_storeu_ps(ap.add(c + 8 * i), *x);
+        }
+    }
+}
+#[cfg(target_arch = "x86_64")]
+impl Vops for Avx2 {
+    #[inline(always)]
+    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
+        let hd = kr.len();
+        let g = s.len();
+        assert!(q.len() >= g * hd);
+        // Fixed head counts keep the accumulators in registers (see Avx512::dots).
+        let mut h = 0;
+        while h < g {
+            h += match g - h {
+                1 => Self::dots_n::<E, 1>(&q[h * hd..], kr, &mut s[h..]),
+                2 => Self::dots_n::<E, 2>(&q[h * hd..], kr, &mut s[h..]),
+                3 => Self::dots_n::<E, 3>(&q[h * hd..], kr, &mut s[h..]),
+                _ => Self::dots_n::<E, 4>(&q[h * hd..], kr, &mut s[h..]),
+            };
+        }
+    }
+    #[inline(always)]
+    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
+        let hd = acc.len();
+        let body = hd - hd % 8;
+        let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
+        let mut c = 0;
+        while c + 32 <= body {
+            Self::axpy_pass::<E, 4>(ap, p, vp, offs, c);
+            c += 32;
+        }
+        while c < body {
+            Self::axpy_pass::<E, 1>(ap, p, vp, offs, c);
+            c += 8;
+        }
+        if body < hd {
+            for (&pj, &o) in p.iter().zip(offs) {
+                for i in body..hd {
+                    acc[i] += pj * v[o + i].to_f32();
+                }
             }
         }
     }
 }
 
 /// Explicit AVX-512: the auto-vectorised dot ended in a serial 16-lane sum per key, which made
-/// scoring latency-bound. Here the K row is loaded once for all heads of the group.
+/// scoring latency-bound. Here the K row is loaded once for all heads of the group; f16 rows are
+/// widened with `vcvtph2ps` (16 halves to 16 floats).
 #[cfg(target_arch = "x86_64")]
 struct Avx512;
 #[cfg(target_arch = "x86_64")]
-impl Vops for Avx512 {
+impl Avx512 {
+    /// The lanes of `mask` from `p` as f32; masked-off lanes read nothing and are zero.
     #[inline(always)]
-    unsafe fn dots(q: &[f32], kr: &[f32], s: &mut [f32]) {
+    unsafe fn load16<E: KvElem>(
+        mask: std::arch::x86_64::__mmask16,
+        p: *const E,
+    ) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
-        let hd = kr.len();
-        let g = s.len();
-        debug_assert!(q.len() >= g * hd && g <= MAX_GROUP);
-        let mut acc = [_mm512_setzero_ps(); MAX_GROUP];
-        let (kp, qp) = (kr.as_ptr(), q.as_ptr());
+        if E::HALF {
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
+        } else {
+            _mm512_maskz_loadu_ps(mask, p as *const f32)
+        }
+    }
+
+    /// Tile scores for N heads of head_dim 64; returns N.
+    #[inline(always)]
+    unsafe fn tile_dots64<E: KvElem, const N: usize>(
+        qp: *const f32,
+        kp: *const E,
+        offs: &[usize],
+        s: &mut [[f32; TILE]],
+        scale: f32,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let mut qv = [[_mm512_setzero_ps(); 4]; N];
+        for (h, qh) in qv.iter_mut().enumerate() {
+            for (c, x) in qh.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(qp.add(h * 64 + 16 * c));
+            }
+        }
+        for (jj, &o) in offs.iter().enumerate() {
+            let row = kp.add(o);
+            let kv = [
+                Self::load16(0xffff, row),
+                Self::load16(0xffff, row.add(16)),
+                Self::load16(0xffff, row.add(32)),
+                Self::load16(0xffff, row.add(48)),
+            ];
+            for (h, qh) in qv.iter().enumerate() {
+                let a = _mm512_mul_ps(qh[0], kv[0]);
+                let b = _mm512_mul_ps(qh[1], kv[1]);
+                let a = _mm512_fmadd_ps(qh[2], kv[2], a);
+                let b = _mm512_fmadd_ps(qh[3], kv[3], b);
+                s[h][jj] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+            }
+        }
+        N
+    }
+
+    /// `s[h] = q[h*hd..][..hd] · k[..hd]` for `h < N`; returns N.
+    #[inline(always)]
+    unsafe fn dots_n<E: KvElem, const N: usize>(
+        qp: *const f32,
+        kp: *const E,
+        hd: usize,
+        s: *mut f32,
+    ) -> usize {
+        use std::arch::x86_64::*;
+        let mut acc = [_mm512_setzero_ps(); N];
         let mut c = 0;
         while c < hd {
             let mask: __mmask16 = if hd - c >= 16 {
@@ -238,21 +752,73 @@ impl Vops for Avx512 {
             } else {
                 ((1u32 << (hd - c)) - 1) as __mmask16
             };
-            let kv = _mm512_maskz_loadu_ps(mask, kp.add(c));
-            for (h, a) in acc[..g].iter_mut().enumerate() {
+            let kv = Self::load16(mask, kp.add(c));
+            for (h, a) in acc.iter_mut().enumerate() {
                 let qv = _mm512_maskz_loadu_ps(mask, qp.add(h * hd + c));
                 *a = _mm512_fmadd_ps(qv, kv, *a);
             }
             c += 16;
         }
-        for (sv, a) in s.iter_mut().zip(&acc[..g]) {
-            *sv = _mm512_reduce_add_ps(*a);
+        for (h, a) in acc.iter().enumerate() {
+            *s.add(h) = _mm512_reduce_add_ps(*a);
         }
+        N
+    }
+}
+#[cfg(target_arch = "x86_64")]
+impl Vops for Avx512 {
+    #[inline(always)]
+    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
+        let hd = kr.len();
+        let g = s.len();
+        assert!(q.len() >= g * hd);
+        let (kp, qp, sp) = (kr.as_ptr(), q.as_ptr(), s.as_mut_ptr());
+        // Heads in groups of at most 4 with a fixed count, so the accumulators stay in
+        // registers (a run-time count kept them in memory).
+        let mut h = 0;
+        while h < g {
+            let (qh, sh) = (qp.add(h * hd), sp.add(h));
+            h += match g - h {
+                1 => Self::dots_n::<E, 1>(qh, kp, hd, sh),
+                2 => Self::dots_n::<E, 2>(qh, kp, hd, sh),
+                3 => Self::dots_n::<E, 3>(qh, kp, hd, sh),
+                _ => Self::dots_n::<E, 4>(qh, kp, hd, sh),
+            };
+        }
+    }
+    /// head_dim 64: the group's query rows stay in registers (up to 4 heads x 4 vectors) for the
+    /// whole tile instead of being reloaded for every key.
+    #[inline(always)]
+    unsafe fn tile_dots<E: KvElem>(
+        q: &[f32],
+        k: &[E],
+        offs: &[usize],
+        hd: usize,
+        s: &mut [[f32; TILE]],
+        scale: f32,
+    ) -> bool {
+        if hd != 64 {
+            return false;
+        }
+        let g = s.len();
+        assert!(q.len() >= g * hd && offs.len() <= TILE);
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let mut h = 0;
+        while h < g {
+            let (qh, sh) = (qp.add(h * hd), &mut s[h..]);
+            h += match g - h {
+                1 => Self::tile_dots64::<E, 1>(qh, kp, offs, sh, scale),
+                2 => Self::tile_dots64::<E, 2>(qh, kp, offs, sh, scale),
+                3 => Self::tile_dots64::<E, 3>(qh, kp, offs, sh, scale),
+                _ => Self::tile_dots64::<E, 4>(qh, kp, offs, sh, scale),
+            };
+        }
+        true
     }
     /// 64 output floats per pass held in 4 registers across the whole tile of keys, so the
     /// accumulators do not round-trip through memory once per key.
     #[inline(always)]
-    unsafe fn tile_axpy(acc: &mut [f32], p: &[f32], v: &[f32], offs: &[usize]) {
+    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
         use std::arch::x86_64::*;
         let hd = acc.len();
         let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
@@ -282,7 +848,7 @@ impl Vops for Avx512 {
                 let pv = _mm512_set1_ps(pj);
                 let row = vp.wrapping_add(o + c);
                 for i in 0..4 {
-                    let y = _mm512_maskz_loadu_ps(m[i], row.wrapping_add(16 * i));
+                    let y = Self::load16(m[i], row.wrapping_add(16 * i));
                     a[i] = _mm512_fmadd_ps(pv, y, a[i]);
                 }
             }
@@ -294,43 +860,89 @@ impl Vops for Avx512 {
     }
 }
 
-/// Streaming (online) softmax over the visible keys, TILE keys at a time: scores for the tile
-/// go to a small stack buffer, the running max/sum and the output accumulators are rescaled once
-/// per tile. Each K and V row is read once for all query heads of the group.
+/// Max of a tile in 16 independent lanes (`f32::max` in a fold does not vectorise).
+#[inline(always)]
+fn lane_max(x: &[f32; TILE]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 16];
+    for c in x.chunks_exact(16) {
+        for l in 0..16 {
+            m[l] = if c[l] > m[l] { c[l] } else { m[l] };
+        }
+    }
+    m.iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
+}
+
+/// Sum of a tile in 16 independent lanes (a serial sum is one add latency per key).
+#[inline(always)]
+fn lane_sum(x: &[f32; TILE]) -> f32 {
+    let mut m = [0f32; 16];
+    for c in x.chunks_exact(16) {
+        for l in 0..16 {
+            m[l] += c[l];
+        }
+    }
+    m.iter().sum()
+}
+
+/// Streaming (online) softmax over keys `lo..=hi`, TILE keys at a time: scores for the tile go to
+/// a small stack buffer, the running max/sum and the output accumulators are rescaled once per
+/// tile. Each K and V row is read once for all query heads of the group. Writes the normalised
+/// output `[group, hd]`, or with `partial` the unnormalised state
+/// `[group * hd acc | group max | group sum]` for a later merge.
 // Scores are indexed [head][key] from both loop orders; index loops read clearest here.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn attend<V: Vops>(a: &Group, out: &mut [f32]) {
-    let kv = a.kv;
-    let (hd, kvh, bs) = (kv.head_dim, kv.kv_heads, kv.block_size);
+fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
+    let (hd, kvh, bs) = (a.hd, a.kvh, a.bs);
     let group = a.group;
-    let mut acc = [[0f32; MAX_HEAD_DIM]; MAX_GROUP];
+    // The output accumulates in place: no per-call stack array to zero beyond what is used.
+    let (acc, state) = out.split_at_mut(group * hd);
+    acc.fill(0.0);
     let mut mx = [f32::NEG_INFINITY; MAX_GROUP];
     let mut sum = [0f32; MAX_GROUP];
     let mut s = [[0f32; TILE]; MAX_GROUP];
-    let row_off = |j: usize| -> usize {
-        let block = a.table[j / bs] as usize;
-        ((block * bs + j % bs) * kvh + a.g) * hd
-    };
+    // Walk the block table: one division per call instead of two per key.
+    let mut bi = a.lo / bs;
+    let mut r = a.lo % bs;
+    let mut base = a.table[bi] as usize * bs;
     let mut j0 = a.lo;
-    while j0 <= a.pos {
-        let cnt = TILE.min(a.pos + 1 - j0);
+    while j0 <= a.hi {
+        let cnt = TILE.min(a.hi + 1 - j0);
         // Row offsets once per tile (K and V share the layout).
         let mut offs = [0usize; TILE];
-        for (jj, o) in offs[..cnt].iter_mut().enumerate() {
-            *o = row_off(j0 + jj);
+        for o in offs[..cnt].iter_mut() {
+            if r == bs {
+                r = 0;
+                bi += 1;
+                base = a.table[bi] as usize * bs;
+            }
+            *o = ((base + r) * kvh + a.g) * hd;
+            r += 1;
         }
-        for jj in 0..cnt {
-            let kr = &kv.k[offs[jj]..][..hd];
-            let mut sc = [0f32; MAX_GROUP];
-            // SAFETY: `V` was chosen by run-time feature detection (attend_dispatch).
-            unsafe { V::dots(a.q, kr, &mut sc[..group]) };
-            for h in 0..group {
-                s[h][jj] = sc[h] * a.scale;
+        // Every K (and V) row of the tile lies inside the cache.
+        let last = offs[..cnt].iter().max().copied().unwrap_or(0);
+        assert!(last + hd <= a.k.len() && a.k.len() == a.v.len());
+        // SAFETY: `V` was chosen by run-time feature detection (detect_isa); rows checked above,
+        // and `a.q` holds `group` rows of `hd`.
+        let done = unsafe { V::tile_dots(a.q, a.k, &offs[..cnt], hd, &mut s[..group], a.scale) };
+        if !done {
+            for jj in 0..cnt {
+                let kr = &a.k[offs[jj]..][..hd];
+                let mut sc = [0f32; MAX_GROUP];
+                // SAFETY: as above.
+                unsafe { V::dots(a.q, kr, &mut sc[..group]) };
+                for h in 0..group {
+                    s[h][jj] = sc[h] * a.scale;
+                }
             }
         }
         for h in 0..group {
-            let tile_max = s[h][..cnt].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let sh = &mut s[h];
+            // Fixed-width passes over the whole tile vectorise; a short last tile is padded
+            // with -inf for the max and with 0 for the sum.
+            sh[cnt..].fill(f32::NEG_INFINITY);
+            let tile_max = lane_max(sh);
             let new_max = mx[h].max(tile_max);
             // First tile: nothing accumulated yet, so no rescale (avoids exp(-inf - -inf)).
             let corr = if mx[h] == f32::NEG_INFINITY {
@@ -339,35 +951,47 @@ fn attend<V: Vops>(a: &Group, out: &mut [f32]) {
                 fast_exp(mx[h] - new_max)
             };
             mx[h] = new_max;
-            // Exponentials first (vectorisable), then the sum.
-            for v in s[h][..cnt].iter_mut() {
+            // Exponentials first, then the sum.
+            for v in sh.iter_mut() {
                 *v = fast_exp(*v - new_max);
             }
-            let tile_sum: f32 = s[h][..cnt].iter().sum();
+            sh[cnt..].fill(0.0);
+            let tile_sum = lane_sum(sh);
             sum[h] = sum[h] * corr + tile_sum;
             if corr != 1.0 {
-                for x in acc[h][..hd].iter_mut() {
+                for x in acc[h * hd..(h + 1) * hd].iter_mut() {
                     *x *= corr;
                 }
             }
         }
         for h in 0..group {
-            // SAFETY: as above; each offset was bounds-checked when its K row was sliced, and
-            // V has the same length as K.
-            unsafe { V::tile_axpy(&mut acc[h][..hd], &s[h][..cnt], kv.v, &offs[..cnt]) };
+            // SAFETY: as above; every offset was bounds-checked against K, and V has K's length.
+            unsafe {
+                V::tile_axpy(
+                    &mut acc[h * hd..(h + 1) * hd],
+                    &s[h][..cnt],
+                    a.v,
+                    &offs[..cnt],
+                )
+            };
         }
         j0 += cnt;
     }
+    if partial {
+        state[..group].copy_from_slice(&mx[..group]);
+        state[group..2 * group].copy_from_slice(&sum[..group]);
+        return;
+    }
     for h in 0..group {
-        // pos itself is always visible, so sum >= 1.
+        // The last key is always visible, so sum >= 1.
         let inv = 1.0 / sum[h];
-        for (o, &x) in out[h * hd..(h + 1) * hd].iter_mut().zip(&acc[h][..hd]) {
-            *o = x * inv;
+        for x in acc[h * hd..(h + 1) * hd].iter_mut() {
+            *x *= inv;
         }
     }
 }
 
-/// Naive reference: dense scores and softmax in f64.
+/// Naive reference: dense scores and softmax in f64 (on the stored values, f16 widened exactly).
 #[allow(clippy::too_many_arguments)]
 pub fn reference(
     q: &[f32],
@@ -393,10 +1017,10 @@ pub fn reference(
             };
             let scores: Vec<f64> = (lo..=pos)
                 .map(|j| {
-                    let kr = &kv.k[off(j)..][..hd];
+                    let o = off(j);
                     qh.iter()
-                        .zip(kr)
-                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .enumerate()
+                        .map(|(d, &a)| a as f64 * kv.k.get(o + d) as f64)
                         .sum::<f64>()
                         * scale as f64
                 })
@@ -407,7 +1031,7 @@ pub fn reference(
             for d in 0..hd {
                 let mut acc = 0.0;
                 for (idx, j) in (lo..=pos).enumerate() {
-                    acc += e[idx] * kv.v[off(j) + d] as f64;
+                    acc += e[idx] * kv.v.get(off(j) + d) as f64;
                 }
                 out[(t * n_heads + h) * hd + d] = (acc / z) as f32;
             }
@@ -432,10 +1056,37 @@ mod tests {
         }
     }
 
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Dt {
+        F32,
+        F16,
+    }
+
+    /// Every ISA this CPU can run.
+    fn isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Plain];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                v.push(Isa::Avx2);
+            }
+            if detect_isa() == Isa::Avx512 {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
     /// Builds a cache with `seq_lens.len()` sequences on shuffled blocks, queries the given
-    /// (sequence, position) rows, and compares with the reference.
+    /// (sequence, position) rows, and compares with the f64 reference on the stored (for F16,
+    /// f16-rounded) values: every ISA, split-K planned for 1, 2 and 8 threads and never split.
+    /// Returns how many of the runs used split-K.
     #[allow(clippy::too_many_arguments)]
-    fn run(
+    fn run_dt(
+        dt: Dt,
         n_heads: usize,
         kv_heads: usize,
         head_dim: usize,
@@ -444,11 +1095,12 @@ mod tests {
         queries: &[(usize, usize)],
         window: Option<usize>,
         seed: u64,
-    ) {
+    ) -> usize {
         let mut rng = Rng(seed);
         let blocks_per: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
-        let num_blocks: usize = blocks_per.iter().sum::<usize>() + 3; // a few unused blocks
-                                                                      // Shuffled physical block ids, so tables are non-contiguous.
+        // A few unused blocks.
+        let num_blocks: usize = blocks_per.iter().sum::<usize>() + 3;
+        // Shuffled physical block ids, so tables are non-contiguous.
         let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
         for i in (1..ids.len()).rev() {
             let j = (rng.next_u() % (i as u64 + 1)) as usize;
@@ -464,9 +1116,15 @@ mod tests {
         let n = num_blocks * bs * kv_heads * head_dim;
         let k: Vec<f32> = (0..n).map(|_| rng.next() * 2.0).collect();
         let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let (kd, vd) = match dt {
+            Dt::F32 => (KvData::F32(&k), KvData::F32(&v)),
+            Dt::F16 => (KvData::F16(&k16), KvData::F16(&v16)),
+        };
         let kv = KvLayer {
-            k: &k,
-            v: &v,
+            k: kd,
+            v: vd,
             block_size: bs,
             kv_heads,
             head_dim,
@@ -483,13 +1141,13 @@ mod tests {
             .map(|_| rng.next() * 2.0)
             .collect();
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let mut got = vec![f32::NAN; q.len()];
         let mut want = vec![0.0; q.len()];
-        paged_attention(&q, &rows, &tables, &kv, n_heads, scale, window, &mut got);
         reference(&q, &rows, &tables, &kv, n_heads, scale, window, &mut want);
-        // Also the portable (non-dispatched) code path.
-        let mut portable = vec![f32::NAN; q.len()];
-        paged_attention_with(
+        let max_out = want.iter().fold(0f32, |m, &x| m.max(x.abs()));
+
+        let mut got = vec![f32::NAN; q.len()];
+        let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, 2);
+        paged_attention(
             &q,
             &rows,
             &tables,
@@ -497,17 +1155,102 @@ mod tests {
             n_heads,
             scale,
             window,
-            &mut portable,
-            attend_plain,
+            &mut got,
+            &mut scratch,
         );
-        for i in 0..q.len() {
-            assert!((portable[i] - want[i]).abs() <= 2e-5, "portable i={i}");
-            // Outputs are convex combinations of values in [-1, 1]: absolute tolerance.
-            assert!(
-                (got[i] - want[i]).abs() <= 2e-5,
-                "i={i}: {} vs {}",
-                got[i],
-                want[i]
+        let check = |got: &[f32], what: &str| {
+            for i in 0..q.len() {
+                // Outputs are convex combinations of values in [-1, 1]: absolute tolerance.
+                assert!(
+                    (got[i] - want[i]).abs() <= 2e-5,
+                    "{what} i={i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
+            }
+        };
+        check(&got, "dispatched");
+
+        let mut splits = 0;
+        for isa in isas() {
+            let mut unsplit = vec![f32::NAN; q.len()];
+            paged_attention_with(
+                &q,
+                &rows,
+                &tables,
+                &kv,
+                n_heads,
+                scale,
+                window,
+                &mut unsplit,
+                &mut scratch,
+                isa,
+                Split::Never,
+            );
+            check(&unsplit, &format!("{isa:?} unsplit"));
+            for threads in [1, 2, 8] {
+                let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, threads);
+                let mut split = vec![f32::NAN; q.len()];
+                paged_attention_with(
+                    &q,
+                    &rows,
+                    &tables,
+                    &kv,
+                    n_heads,
+                    scale,
+                    window,
+                    &mut split,
+                    &mut scratch,
+                    isa,
+                    Split::Auto,
+                );
+                let planned = {
+                    let c = Ctx::<f32> {
+                        q: &q,
+                        rows: &rows,
+                        tables: &tables,
+                        k: &[],
+                        v: &[],
+                        bs,
+                        kvh: kv_heads,
+                        hd: head_dim,
+                        n_heads,
+                        group: n_heads / kv_heads,
+                        scale,
+                        window,
+                    };
+                    plan_segments(&c, &mut scratch)
+                };
+                splits += planned as usize;
+                check(&split, &format!("{isa:?} split-K for {threads} threads"));
+                // Split and unsplit agree to 1e-5 of the output's magnitude.
+                for i in 0..q.len() {
+                    assert!(
+                        (split[i] - unsplit[i]).abs() <= 1e-5 * max_out,
+                        "{isa:?} {threads} threads: split {} vs unsplit {} at {i}",
+                        split[i],
+                        unsplit[i]
+                    );
+                }
+            }
+        }
+        splits
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        n_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        bs: usize,
+        seq_lens: &[usize],
+        queries: &[(usize, usize)],
+        window: Option<usize>,
+        seed: u64,
+    ) {
+        for dt in [Dt::F32, Dt::F16] {
+            run_dt(
+                dt, n_heads, kv_heads, head_dim, bs, seq_lens, queries, window, seed,
             );
         }
     }
@@ -553,6 +1296,7 @@ mod tests {
             3,
         );
         run(3, 1, 67, 4, &[33], &[(0, 32), (0, 0)], None, 4);
+        run(2, 1, 40, 16, &[60], &[(0, 59)], None, 9);
     }
 
     #[test]
@@ -576,6 +1320,86 @@ mod tests {
         // Many tiles with a rising running max exercise the rescaling.
         run(2, 1, 8, 4, &[200], &[(0, 199)], None, 8);
     }
+
+    #[test]
+    fn split_k_long_contexts() {
+        for dt in [Dt::F32, Dt::F16] {
+            // Decode-shaped GQA (smollm: 9 heads on 3 K/V heads, head_dim 64), 3000 keys.
+            let n = run_dt(dt, 9, 3, 64, 16, &[3000], &[(0, 2999)], None, 11);
+            assert!(n > 0, "split-K never planned");
+            // Two decode rows of different lengths, block size 4.
+            let n = run_dt(
+                dt,
+                6,
+                2,
+                32,
+                4,
+                &[3000, 700],
+                &[(0, 2999), (1, 699)],
+                None,
+                12,
+            );
+            assert!(n > 0);
+            // Sliding window with split-K: 1000 of 3000 keys visible.
+            let n = run_dt(dt, 9, 3, 64, 16, &[3000], &[(0, 2999)], Some(1000), 13);
+            assert!(n > 0);
+            // MHA, odd head_dim.
+            let n = run_dt(dt, 4, 4, 40, 16, &[1500], &[(0, 1499)], None, 14);
+            assert!(n > 0);
+        }
+    }
+
+    #[test]
+    fn split_k_plans_cover_the_keys() {
+        let rows = [
+            AttnRow {
+                pos: 2999,
+                table_start: 0,
+                table_len: 188,
+            },
+            AttnRow {
+                pos: 99,
+                table_start: 0,
+                table_len: 188,
+            },
+        ];
+        let c = Ctx::<f32> {
+            q: &[],
+            rows: &rows,
+            tables: &[],
+            k: &[],
+            v: &[],
+            bs: 16,
+            kvh: 3,
+            hd: 64,
+            n_heads: 9,
+            group: 3,
+            scale: 1.0,
+            window: None,
+        };
+        let mut scratch = AttnScratch::new(4, 9, 64, 2);
+        assert!(plan_segments(&c, &mut scratch));
+        // 6 tasks for 2 threads: 2 segments each for the long row; the short one stays whole.
+        for g in 0..3u32 {
+            let segs: Vec<_> = scratch
+                .segments
+                .iter()
+                .filter(|s| s.t == 0 && s.g == g)
+                .map(|s| (s.lo, s.hi))
+                .collect();
+            assert_eq!(segs, vec![(0, 1503), (1504, 2999)]);
+            let short: Vec<_> = scratch
+                .segments
+                .iter()
+                .filter(|s| s.t == 1 && s.g == g)
+                .map(|s| (s.lo, s.hi))
+                .collect();
+            assert_eq!(short, vec![(0, 99)]);
+        }
+        // Enough tasks already: no split.
+        let mut scratch = AttnScratch::new(4, 9, 64, 1);
+        assert!(!plan_segments(&c, &mut scratch));
+    }
 }
 
 /// Speed check (not run by default): `cargo test --release -- --ignored --nocapture timing`.
@@ -588,37 +1412,63 @@ mod timing {
     #[ignore]
     fn timing_decode_attention() {
         let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+        let threads = rayon::current_num_threads();
         for &ctx in &[512usize, 2048] {
             let blocks = ctx / bs;
             let len = blocks * bs * kvh * hd;
             let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01).collect();
             let v = k.clone();
+            let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+            let v16 = k16.clone();
             let tables: Vec<u32> = (0..blocks as u32).rev().collect();
-            let kv = KvLayer {
-                k: &k,
-                v: &v,
-                block_size: bs,
-                kv_heads: kvh,
-                head_dim: hd,
-            };
-            let rows = [AttnRow {
-                pos: ctx as u32 - 1,
-                table_start: 0,
-                table_len: blocks as u32,
-            }];
-            let q = vec![0.1f32; n_heads * hd];
-            let mut out = vec![0.0f32; n_heads * hd];
-            let mut best = f64::INFINITY;
-            for _ in 0..300 {
-                let t = Instant::now();
-                paged_attention(&q, &rows, &tables, &kv, n_heads, 0.125, None, &mut out);
-                best = best.min(t.elapsed().as_secs_f64());
+            for half in [false, true] {
+                let kv = KvLayer {
+                    k: if half {
+                        KvData::F16(&k16)
+                    } else {
+                        KvData::F32(&k)
+                    },
+                    v: if half {
+                        KvData::F16(&v16)
+                    } else {
+                        KvData::F32(&v)
+                    },
+                    block_size: bs,
+                    kv_heads: kvh,
+                    head_dim: hd,
+                };
+                let rows = [AttnRow {
+                    pos: ctx as u32 - 1,
+                    table_start: 0,
+                    table_len: blocks as u32,
+                }];
+                let q = vec![0.1f32; n_heads * hd];
+                let mut out = vec![0.0f32; n_heads * hd];
+                let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
+                let mut best = f64::INFINITY;
+                for _ in 0..300 {
+                    let t = Instant::now();
+                    paged_attention(
+                        &q,
+                        &rows,
+                        &tables,
+                        &kv,
+                        n_heads,
+                        0.125,
+                        None,
+                        &mut out,
+                        &mut scratch,
+                    );
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                let bytes = 2 * len * if half { 2 } else { 4 };
+                println!(
+                    "attention ctx {ctx} {}: {:.1} us, {:.1} GB/s of K/V",
+                    if half { "f16" } else { "f32" },
+                    best * 1e6,
+                    bytes as f64 / best / 1e9
+                );
             }
-            println!(
-                "attention ctx {ctx}: {:.1} us, {:.1} GB/s of K/V",
-                best * 1e6,
-                (2 * len * 4) as f64 / best / 1e9
-            );
         }
     }
 }
