@@ -1,5 +1,6 @@
 //! A Llama-family model: config, weights (views into the memory-mapped files) and the forward pass.
 
+pub mod chat_template;
 pub mod config;
 pub mod forward;
 pub mod kernels;

@@ -1043,18 +1043,7 @@ pub fn reference(
 mod tests {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next_u(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn next(&mut self) -> f32 {
-            ((self.next_u() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-    }
+    use crate::model::kernels::cpu::test_rng::Rng;
 
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum Dt {

@@ -40,21 +40,13 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 200.0 - 100.0
-        }
-    }
+    use crate::model::kernels::cpu::test_rng::Rng;
 
     #[test]
     fn matches_reference_exactly() {
         let mut rng = Rng(42);
         for &(vocab, hidden) in &[(7usize, 33usize), (50, 64), (3, 1)] {
-            let wf: Vec<f32> = (0..vocab * hidden).map(|_| rng.next()).collect();
+            let wf: Vec<f32> = (0..vocab * hidden).map(|_| 100.0 * rng.next()).collect();
             let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
             let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
             for data in [

@@ -729,18 +729,7 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        fn vec(&mut self, n: usize) -> Vec<f32> {
-            (0..n).map(|_| self.next()).collect()
-        }
-    }
+    use crate::model::kernels::cpu::test_rng::Rng;
 
     /// Tolerance: 1e-4 relative to sum |x*w| (the scale of rounding in any summation order).
     fn check(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, got: &[f32]) {

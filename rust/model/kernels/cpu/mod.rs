@@ -9,6 +9,8 @@ pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
+#[cfg(test)]
+mod test_rng;
 
 use half::{bf16, f16};
 

@@ -90,15 +90,7 @@ pub fn reference(gate: &mut [f32], up: &[f32]) {
 mod tests {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> f32 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-    }
+    use crate::model::kernels::cpu::test_rng::Rng;
 
     #[test]
     fn fast_exp_accuracy() {

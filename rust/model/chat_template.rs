@@ -1,0 +1,813 @@
+//! Chat templates: the model's own Jinja template rendered as transformers renders it.
+//!
+//! minijinja is configured to behave like the Jinja2 environment transformers builds in
+//! `apply_chat_template`: trim_blocks, lstrip_blocks, loop controls, Python string methods
+//! (minijinja-contrib's pycompat), `raise_exception`, `strftime_now`, Python-style value
+//! printing and transformers' own `tojson`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{AutoEscape, Environment, Error as JinjaError, ErrorKind, Output, State, Value};
+use serde_json::Value as Json;
+
+use super::tokenizer::read_optional;
+use crate::error::{Result, StrataError};
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// Either a compiled template or the reason there is none (reported on use, not at
+/// load: a model without a template can still serve plain completions).
+pub enum ChatTemplate {
+    Compiled(Box<Environment<'static>>),
+    Missing(String),
+}
+
+impl ChatTemplate {
+    /// dir/chat_template.jinja wins over tokenizer_config.json's `chat_template`, as in
+    /// transformers; a list of named templates uses the one named "default".
+    pub fn load(dir: &Path, cfg_path: &Path, cfg: &serde_json::Map<String, Json>) -> Result<Self> {
+        load_chat_template(dir, cfg_path, cfg)
+    }
+
+    pub fn is_available(&self) -> bool {
+        matches!(self, ChatTemplate::Compiled(_))
+    }
+
+    /// Renders with the same variables as transformers' render call: the special tokens,
+    /// tools and documents (None unless given), the caller's extras, then `messages` and
+    /// `add_generation_prompt`.
+    pub fn render(
+        &self,
+        special_tokens: &BTreeMap<String, String>,
+        messages: &Json,
+        add_generation_prompt: bool,
+        extra: Option<&Json>,
+    ) -> Result<String> {
+        let env = match self {
+            ChatTemplate::Compiled(env) => env,
+            ChatTemplate::Missing(reason) => {
+                return Err(StrataError::invalid("messages", reason.clone()))
+            }
+        };
+        check_messages(messages)?;
+        let mut ctx: BTreeMap<String, Value> = BTreeMap::new();
+        for (k, v) in special_tokens {
+            ctx.insert(k.clone(), Value::from(v.as_str()));
+        }
+        ctx.insert("tools".into(), Value::from(()));
+        ctx.insert("documents".into(), Value::from(()));
+        match extra {
+            None | Some(Json::Null) => {}
+            Some(Json::Object(map)) => {
+                for (k, v) in map {
+                    if k == "messages" || k == "add_generation_prompt" {
+                        return Err(StrataError::invalid(
+                            "extra",
+                            format!("\"{k}\" cannot be set as an extra template variable"),
+                        ));
+                    }
+                    ctx.insert(k.clone(), Value::from_serialize(v));
+                }
+            }
+            Some(_) => {
+                return Err(StrataError::invalid("extra", "expected a JSON object"));
+            }
+        }
+        ctx.insert("messages".into(), Value::from_serialize(messages));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        let template = env.get_template(TEMPLATE_NAME).map_err(|e| {
+            StrataError::Internal(format!("compiled chat template is missing: {e}"))
+        })?;
+        template.render(ctx).map_err(render_error)
+    }
+}
+
+fn load_chat_template(
+    dir: &Path,
+    cfg_path: &Path,
+    cfg: &serde_json::Map<String, Json>,
+) -> Result<ChatTemplate> {
+    let jinja_path = dir.join("chat_template.jinja");
+    let (source, origin): (String, PathBuf) =
+        if let Some(text) = read_optional(&jinja_path)? {
+            (text, jinja_path)
+        } else {
+            match cfg.get("chat_template") {
+                None | Some(Json::Null) => {
+                    return Ok(ChatTemplate::Missing(
+                        "the model has no chat template".to_string(),
+                    ))
+                }
+                Some(Json::String(s)) => (s.clone(), cfg_path.to_path_buf()),
+                Some(Json::Array(items)) => {
+                    let mut default = None;
+                    for item in items {
+                        let name = item.get("name").and_then(Json::as_str);
+                        let template = item.get("template").and_then(Json::as_str);
+                        let (Some(name), Some(template)) = (name, template) else {
+                            return Err(bad_template_field(cfg_path));
+                        };
+                        if name == "default" {
+                            default = Some(template.to_string());
+                        }
+                    }
+                    match default {
+                        Some(t) => (t, cfg_path.to_path_buf()),
+                        None => return Ok(ChatTemplate::Missing(
+                            "the model has several chat templates and none is named \"default\""
+                                .to_string(),
+                        )),
+                    }
+                }
+                Some(_) => return Err(bad_template_field(cfg_path)),
+            }
+        };
+    let env = build_environment(source)
+        .map_err(|e| StrataError::model_load(&origin, format!("chat_template: {e}")))?;
+    Ok(ChatTemplate::Compiled(Box::new(env)))
+}
+
+fn bad_template_field(cfg_path: &Path) -> StrataError {
+    StrataError::model_load(
+        cfg_path,
+        "chat_template: expected a string or a list of {\"name\", \"template\"} objects",
+    )
+}
+
+// ---------------------------------------------------------------------------
+// The Jinja environment
+// ---------------------------------------------------------------------------
+
+/// Error source that marks a `raise_exception` call, so rendering can report the
+/// template's own message to the caller.
+#[derive(Debug)]
+struct RaisedException(String);
+
+impl std::fmt::Display for RaisedException {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RaisedException {}
+
+fn build_environment(source: String) -> std::result::Result<Environment<'static>, JinjaError> {
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_keep_trailing_newline(false);
+    env.set_auto_escape_callback(|_| AutoEscape::None);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_formatter(python_formatter);
+    // jinja2 builtins that minijinja keeps in its contrib crate.
+    env.add_filter("truncate", minijinja_contrib::filters::truncate);
+    env.add_filter("striptags", minijinja_contrib::filters::striptags);
+    env.add_filter("filesizeformat", minijinja_contrib::filters::filesizeformat);
+    env.add_function("cycler", minijinja_contrib::globals::cycler);
+    env.add_function("joiner", minijinja_contrib::globals::joiner);
+    // Jinja2's tests duck-type: None is not iterable, strings and dicts are sequences.
+    env.add_test("iterable", python_is_iterable);
+    env.add_test("sequence", python_is_sequence);
+    // What transformers adds.
+    env.add_filter("tojson", tojson);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_template_owned(TEMPLATE_NAME, strip_generation_tags(&source))?;
+    Ok(env)
+}
+
+/// Prints values the way Jinja2 does, i.e. with Python's str(): None, True/False,
+/// float repr, and lists/dicts as Python reprs ("['a', None]", "{'k': 1}").
+fn python_formatter(
+    out: &mut Output,
+    state: &State,
+    value: &Value,
+) -> std::result::Result<(), JinjaError> {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+            let mut s = String::new();
+            python_repr(&mut s, value)?;
+            out.write_str(&s)?;
+        }
+        ValueKind::Number if !value.is_integer() => {
+            out.write_str(&python_float_repr(f64::try_from(value.clone())?))?;
+        }
+        _ => minijinja::escape_formatter(out, state, value)?,
+    }
+    Ok(())
+}
+
+/// Jinja2's `iterable` test: iter(value) succeeds (Undefined iterates as empty).
+fn python_is_iterable(value: &Value) -> bool {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        ValueKind::Undefined
+        | ValueKind::String
+        | ValueKind::Bytes
+        | ValueKind::Seq
+        | ValueKind::Map
+        | ValueKind::Iterable => true,
+        _ => value.try_iter().is_ok(),
+    }
+}
+
+/// Jinja2's `sequence` test: has len() and [] (str, list, dict; Undefined too).
+fn python_is_sequence(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::Undefined
+            | ValueKind::String
+            | ValueKind::Bytes
+            | ValueKind::Seq
+            | ValueKind::Map
+    )
+}
+
+/// Python's repr() of a template value.
+fn python_repr(out: &mut String, value: &Value) -> std::result::Result<(), JinjaError> {
+    match value.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
+        ValueKind::Number if value.is_integer() => {
+            let _ = write!(out, "{value}");
+        }
+        ValueKind::Number => out.push_str(&python_float_repr(f64::try_from(value.clone())?)),
+        ValueKind::String => python_str_repr(out, value.as_str().unwrap_or("")),
+        ValueKind::Seq => {
+            out.push('[');
+            for (i, item) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(out, &item)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in value.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(out, &key)?;
+                out.push_str(": ");
+                python_repr(out, &value.get_item(&key)?)?;
+            }
+            out.push('}');
+        }
+        _ => {
+            let _ = write!(out, "{value}");
+        }
+    }
+    Ok(())
+}
+
+/// Python's repr() of a str: single quotes unless the text has ' and no ".
+fn python_str_repr(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || (0x7f..0xa0).contains(&(c as u32)) => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+fn raise_exception(message: String) -> std::result::Result<Value, JinjaError> {
+    Err(
+        JinjaError::new(ErrorKind::InvalidOperation, message.clone())
+            .with_source(RaisedException(message)),
+    )
+}
+
+fn render_error(err: JinjaError) -> StrataError {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = source {
+        if let Some(raised) = e.downcast_ref::<RaisedException>() {
+            return StrataError::invalid("messages", raised.0.clone());
+        }
+        source = e.source();
+    }
+    StrataError::invalid("messages", format!("chat template failed: {err}"))
+}
+
+/// transformers' `{% generation %}...{% endgeneration %}` marks assistant text for
+/// its training masks; rendering just emits the body, so turn the tags into an
+/// always-true `if` (keeping any whitespace-control markers).
+fn strip_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        // Search after the opening "{%" so "{%}" cannot end before it starts.
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
+            break;
+        };
+        let inner = &tag[2..end];
+        let open = if inner.starts_with(['-', '+']) {
+            &inner[..1]
+        } else {
+            ""
+        };
+        let close = if inner.ends_with(['-', '+']) && inner.len() > open.len() {
+            &inner[inner.len() - 1..]
+        } else {
+            ""
+        };
+        let word = inner[open.len()..inner.len() - close.len()].trim();
+        let replacement = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replacement {
+            Some(r) => {
+                out.push_str(&format!("{{%{open} {r} {close}%}}"));
+            }
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+// ---------------------------------------------------------------------------
+// tojson: transformers replaces Jinja's filter with
+// json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+// (no HTML escaping, Python's default ", " / ": " separators).
+// ---------------------------------------------------------------------------
+
+struct JsonStyle {
+    ensure_ascii: bool,
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    sort_keys: bool,
+}
+
+fn tojson(
+    value: &Value,
+    ensure_ascii: Option<Value>,
+    indent: Option<Value>,
+    separators: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, JinjaError> {
+    let pick = |pos: Option<Value>, name: &str| -> std::result::Result<Option<Value>, JinjaError> {
+        match pos {
+            Some(v) => Ok(Some(v)),
+            None => kwargs.get::<Option<Value>>(name),
+        }
+    };
+    let ensure_ascii = pick(ensure_ascii, "ensure_ascii")?.is_some_and(|v| v.is_true());
+    let indent = match pick(indent, "indent")? {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_string()),
+            None => {
+                let n = v.as_i64().ok_or_else(|| {
+                    JinjaError::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: indent must be an int or a string",
+                    )
+                })?;
+                Some(" ".repeat(usize::try_from(n).unwrap_or(0)))
+            }
+        },
+    };
+    let (item_sep, key_sep) = match pick(separators, "separators")? {
+        Some(v) if !v.is_none() => {
+            let parts: Vec<Value> = v.try_iter()?.collect();
+            match parts.as_slice() {
+                [a, b] => match (a.as_str(), b.as_str()) {
+                    (Some(a), Some(b)) => (a.to_string(), b.to_string()),
+                    _ => return Err(bad_separators()),
+                },
+                _ => return Err(bad_separators()),
+            }
+        }
+        _ if indent.is_some() => (",".to_string(), ": ".to_string()),
+        _ => (", ".to_string(), ": ".to_string()),
+    };
+    let sort_keys = kwargs
+        .get::<Option<Value>>("sort_keys")?
+        .is_some_and(|v| v.is_true());
+    kwargs.assert_all_used()?;
+    let style = JsonStyle {
+        ensure_ascii,
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys,
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, &style, 0)?;
+    Ok(Value::from(out))
+}
+
+fn bad_separators() -> JinjaError {
+    JinjaError::new(
+        ErrorKind::InvalidOperation,
+        "tojson: separators must be a pair of strings",
+    )
+}
+
+fn not_serializable(value: &Value) -> JinjaError {
+    JinjaError::new(
+        ErrorKind::InvalidOperation,
+        format!("Object of type {} is not JSON serializable", value.kind()),
+    )
+}
+
+fn write_newline(out: &mut String, style: &JsonStyle, depth: usize) {
+    if let Some(indent) = &style.indent {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str(indent);
+        }
+    }
+}
+
+fn write_json(
+    out: &mut String,
+    value: &Value,
+    style: &JsonStyle,
+    depth: usize,
+) -> std::result::Result<(), JinjaError> {
+    match value.kind() {
+        ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+        ValueKind::Number => write_json_number(out, value)?,
+        ValueKind::String => {
+            write_json_string(out, value.as_str().unwrap_or(""), style.ensure_ascii)
+        }
+        ValueKind::Seq => {
+            let items: Vec<Value> = value.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item_sep);
+                }
+                write_newline(out, style, depth + 1);
+                write_json(out, item, style, depth + 1)?;
+            }
+            write_newline(out, style, depth);
+            out.push(']');
+        }
+        ValueKind::Map => {
+            let mut entries: Vec<(String, Value)> = Vec::new();
+            for key in value.try_iter()? {
+                let item = value.get_item(&key)?;
+                entries.push((json_key(&key)?, item));
+            }
+            if style.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(&b.0));
+            }
+            if entries.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            out.push('{');
+            for (i, (key, item)) in entries.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&style.item_sep);
+                }
+                write_newline(out, style, depth + 1);
+                write_json_string(out, key, style.ensure_ascii);
+                out.push_str(&style.key_sep);
+                write_json(out, item, style, depth + 1)?;
+            }
+            write_newline(out, style, depth);
+            out.push('}');
+        }
+        _ => return Err(not_serializable(value)),
+    }
+    Ok(())
+}
+
+/// json.dumps turns str/int/float/bool/None keys into strings.
+fn json_key(key: &Value) -> std::result::Result<String, JinjaError> {
+    match key.kind() {
+        ValueKind::String => Ok(key.as_str().unwrap_or("").to_string()),
+        ValueKind::None => Ok("null".to_string()),
+        ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_string()),
+        ValueKind::Number => {
+            let mut s = String::new();
+            write_json_number(&mut s, key)?;
+            Ok(s)
+        }
+        _ => Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "keys must be str, int, float, bool or None, not {}",
+                key.kind()
+            ),
+        )),
+    }
+}
+
+fn write_json_number(out: &mut String, value: &Value) -> std::result::Result<(), JinjaError> {
+    if value.is_integer() {
+        // Display of an integer Value is its decimal digits (covers i128/u128 too).
+        let _ = write!(out, "{value}");
+        return Ok(());
+    }
+    let f = f64::try_from(value.clone())?;
+    out.push_str(&python_float_repr(f));
+    Ok(())
+}
+
+/// Python's repr(float): shortest round-trip digits, exponent form outside 1e-4..1e16.
+fn python_float_repr(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".to_string();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.to_string();
+    }
+    if f == 0.0 {
+        return if f.is_sign_negative() { "-0.0" } else { "0.0" }.to_string();
+    }
+    // Rust's `{:e}` gives the shortest round-trip digits: "d.ddde<exp>".
+    let sci = format!("{:e}", f.abs());
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((sci.as_str(), "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let sign = if f < 0.0 { "-" } else { "" };
+    if (-4..16).contains(&exp) {
+        let body = if exp >= 0 {
+            let int_len = usize::try_from(exp).unwrap_or(0) + 1;
+            if digits.len() <= int_len {
+                format!("{digits}{}.0", "0".repeat(int_len - digits.len()))
+            } else {
+                format!("{}.{}", &digits[..int_len], &digits[int_len..])
+            }
+        } else {
+            let zeros = usize::try_from(-exp - 1).unwrap_or(0);
+            format!("0.{}{digits}", "0".repeat(zeros))
+        };
+        format!("{sign}{body}")
+    } else {
+        let exp_sign = if exp < 0 { '-' } else { '+' };
+        format!("{sign}{mantissa}e{exp_sign}{:02}", exp.abs())
+    }
+}
+
+fn write_json_string(out: &mut String, s: &str, ensure_ascii: bool) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) > 0x7e) => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+// ---------------------------------------------------------------------------
+// strftime_now
+// ---------------------------------------------------------------------------
+
+/// transformers' `strftime_now(fmt)` = datetime.now().strftime(fmt). Formatted in UTC
+/// (no timezone database here); supports the common directives.
+fn strftime_now(format: String) -> std::result::Result<String, JinjaError> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("clock error: {e}")))?;
+    Ok(strftime(&format, i64::try_from(secs).unwrap_or(0)))
+}
+
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+];
+
+/// Format a Unix timestamp (UTC) with a strftime format.
+fn strftime(format: &str, unix_secs: i64) -> String {
+    let days = unix_secs.div_euclid(86_400);
+    let secs_of_day = unix_secs.rem_euclid(86_400);
+    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
+    let (year, month, day) = civil_from_days(days);
+    // 1970-01-01 was a Thursday.
+    let weekday = usize::try_from((days + 4).rem_euclid(7)).unwrap_or(0);
+    let month_name = MONTHS[usize::try_from(month - 1).unwrap_or(0) % 12];
+    let weekday_name = WEEKDAYS[weekday % 7];
+    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
+    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
+
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let _ = match chars.next() {
+            Some('Y') => write!(out, "{year}"),
+            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
+            Some('m') => write!(out, "{month:02}"),
+            Some('d') => write!(out, "{day:02}"),
+            Some('e') => write!(out, "{day:>2}"),
+            Some('-') => match chars.next() {
+                // glibc's no-padding flag, e.g. %-d.
+                Some('d') => write!(out, "{day}"),
+                Some('m') => write!(out, "{month}"),
+                Some('H') => write!(out, "{hour}"),
+                Some('I') => write!(out, "{hour12}"),
+                Some(other) => write!(out, "%-{other}"),
+                None => write!(out, "%-"),
+            },
+            Some('b') | Some('h') => write!(out, "{}", &month_name[..3]),
+            Some('B') => write!(out, "{month_name}"),
+            Some('a') => write!(out, "{}", &weekday_name[..3]),
+            Some('A') => write!(out, "{weekday_name}"),
+            Some('w') => write!(out, "{weekday}"),
+            Some('j') => write!(out, "{day_of_year:03}"),
+            Some('H') => write!(out, "{hour:02}"),
+            Some('I') => write!(out, "{hour12:02}"),
+            Some('M') => write!(out, "{minute:02}"),
+            Some('S') => write!(out, "{second:02}"),
+            Some('p') => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
+            Some('F') => write!(out, "{year}-{month:02}-{day:02}"),
+            Some('T') => write!(out, "{hour:02}:{minute:02}:{second:02}"),
+            Some('Z') => write!(out, "UTC"),
+            Some('z') => write!(out, "+0000"),
+            Some('%') => write!(out, "%"),
+            Some(other) => write!(out, "%{other}"),
+            None => write!(out, "%"),
+        };
+    }
+    out
+}
+
+/// Days since 1970-01-01 -> (year, month 1..=12, day 1..=31), proleptic Gregorian.
+fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Inverse of civil_from_days.
+fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = if month > 2 { month - 3 } else { month + 9 };
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+// ---------------------------------------------------------------------------
+// Input checks
+// ---------------------------------------------------------------------------
+
+fn check_messages(messages: &Json) -> Result<()> {
+    let Json::Array(items) = messages else {
+        return Err(StrataError::invalid(
+            "messages",
+            "expected a list of messages",
+        ));
+    };
+    for (i, message) in items.iter().enumerate() {
+        let Json::Object(obj) = message else {
+            return Err(StrataError::invalid(
+                "messages",
+                format!("message {i} is not an object"),
+            ));
+        };
+        match obj.get("role") {
+            Some(Json::String(_)) => {}
+            Some(_) => {
+                return Err(StrataError::invalid(
+                    "messages",
+                    format!("message {i}: \"role\" must be a string"),
+                ))
+            }
+            None => {
+                return Err(StrataError::invalid(
+                    "messages",
+                    format!("message {i} has no \"role\""),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_tags_become_plain_blocks() {
+        assert_eq!(
+            strip_generation_tags("a{%- generation -%}b{% endgeneration %}{{ x }}{% if y %}"),
+            "a{%- if true -%}b{% endif %}{{ x }}{% if y %}"
+        );
+        // Malformed input is passed through for the parser to reject, never a panic.
+        assert_eq!(strip_generation_tags("{%}"), "{%}");
+        assert_eq!(strip_generation_tags("{%-%}{%"), "{%-%}{%");
+    }
+
+    #[test]
+    fn python_float_repr_matches() {
+        let cases = [
+            (1.5, "1.5"),
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (-2.0, "-2.0"),
+            (1e16, "1e+16"),
+            (1.5e-7, "1.5e-07"),
+            (123456789.0, "123456789.0"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (1e22, "1e+22"),
+            (f64::NAN, "NaN"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(python_float_repr(f), want, "{f}");
+        }
+    }
+
+    #[test]
+    fn strftime_formats_utc() {
+        // 2024-07-26 13:05:09 UTC, a Friday.
+        let t = 1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9;
+        assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %-d %H:%M:%S %j %p %I %%", t),
+            "Friday July 26 13:05:09 208 PM 01 %"
+        );
+        assert_eq!(strftime("%F", 0), "1970-01-01");
+        assert_eq!(days_from_civil(2024, 7, 26), t / 86_400);
+    }
+}

@@ -1,0 +1,22 @@
+//! The kernel tests' deterministic random numbers (xorshift64): no rand crate, and a failure
+//! reproduces from its seed.
+
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    pub fn next(&mut self) -> f32 {
+        ((self.next_u() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
