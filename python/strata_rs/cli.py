@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -209,5 +210,16 @@ async def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def run() -> int:
+    """The console-script entry point: main(), quiet when stdout is closed early (`| head`)."""
+    try:
+        return main()
+    except BrokenPipeError:
+        # Python's documented way out: point stdout at devnull so the exit flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())
