@@ -274,19 +274,13 @@ impl<E> Ctx<'_, E> {
         let row = self.rows[t];
         let (hd, group) = (self.hd, self.group);
         Group {
+            c: self,
             q: &self.q[t * self.n_heads * hd + g * group * hd..][..group * hd],
             table: &self.tables
                 [row.table_start as usize..(row.table_start + row.table_len) as usize],
-            k: self.k,
-            v: self.v,
-            bs: self.bs,
-            kvh: self.kvh,
-            hd,
             g,
-            group,
             lo,
             hi,
-            scale: self.scale,
         }
     }
 }
@@ -406,20 +400,16 @@ fn merge(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
     }
 }
 
+/// One task: the query heads of K/V head `g` for one row, over keys `lo..=hi`; the shared
+/// geometry and K/V come from the call's `Ctx`.
 struct Group<'a, E> {
+    c: &'a Ctx<'a, E>,
     q: &'a [f32],
     table: &'a [u32],
-    k: &'a [E],
-    v: &'a [E],
-    bs: usize,
-    kvh: usize,
-    hd: usize,
     g: usize,
-    group: usize,
     /// Keys `lo..=hi`.
     lo: usize,
     hi: usize,
-    scale: f32,
 }
 
 /// A K/V element type.
@@ -894,8 +884,8 @@ fn lane_sum(x: &[f32; TILE]) -> f32 {
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
-    let (hd, kvh, bs) = (a.hd, a.kvh, a.bs);
-    let group = a.group;
+    let (hd, kvh, bs) = (a.c.hd, a.c.kvh, a.c.bs);
+    let group = a.c.group;
     // The output accumulates in place: no per-call stack array to zero beyond what is used.
     let (acc, state) = out.split_at_mut(group * hd);
     acc.fill(0.0);
@@ -922,18 +912,19 @@ fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
         }
         // Every K (and V) row of the tile lies inside the cache.
         let last = offs[..cnt].iter().max().copied().unwrap_or(0);
-        assert!(last + hd <= a.k.len() && a.k.len() == a.v.len());
+        assert!(last + hd <= a.c.k.len() && a.c.k.len() == a.c.v.len());
         // SAFETY: `V` was chosen by run-time feature detection (detect_isa); rows checked above,
         // and `a.q` holds `group` rows of `hd`.
-        let done = unsafe { V::tile_dots(a.q, a.k, &offs[..cnt], hd, &mut s[..group], a.scale) };
+        let done =
+            unsafe { V::tile_dots(a.q, a.c.k, &offs[..cnt], hd, &mut s[..group], a.c.scale) };
         if !done {
             for jj in 0..cnt {
-                let kr = &a.k[offs[jj]..][..hd];
+                let kr = &a.c.k[offs[jj]..][..hd];
                 let mut sc = [0f32; MAX_GROUP];
                 // SAFETY: as above.
                 unsafe { V::dots(a.q, kr, &mut sc[..group]) };
                 for h in 0..group {
-                    s[h][jj] = sc[h] * a.scale;
+                    s[h][jj] = sc[h] * a.c.scale;
                 }
             }
         }
@@ -970,7 +961,7 @@ fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
                 V::tile_axpy(
                     &mut acc[h * hd..(h + 1) * hd],
                     &s[h][..cnt],
-                    a.v,
+                    a.c.v,
                     &offs[..cnt],
                 )
             };
