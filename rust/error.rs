@@ -13,6 +13,9 @@ pub enum StrataError {
     /// A request longer than the engine can ever hold.
     #[error("{0}")]
     ContextOverflow(String),
+    /// The queue of waiting requests is full; retry later.
+    #[error("{0}")]
+    EngineBusy(String),
     /// The requested device does not exist or cannot be used.
     #[error("{0}")]
     DeviceUnavailable(String),

@@ -4,27 +4,41 @@ The engine is a Rust core (``strata_rs._core``); this package re-exports its typ
 """
 
 from strata_rs._core import (
+    Choice,
+    Completion,
     ContextOverflow,
     DeviceUnavailable,
     Engine,
+    EngineBusy,
     EngineStopped,
     InvalidRequest,
     ModelLoadError,
+    SamplingParams,
     StrataError,
+    StreamChunk,
     Tokenizer,
+    TokenStream,
+    Usage,
     __version__,
     cuda_devices,
 )
 
 __all__ = [
+    "Choice",
+    "Completion",
     "ContextOverflow",
     "DeviceUnavailable",
     "Engine",
+    "EngineBusy",
     "EngineStopped",
     "InvalidRequest",
     "ModelLoadError",
+    "SamplingParams",
     "StrataError",
+    "StreamChunk",
+    "TokenStream",
     "Tokenizer",
+    "Usage",
     "__version__",
     "cuda_devices",
 ]

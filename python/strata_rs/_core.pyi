@@ -1,8 +1,8 @@
 """Type stubs for the Rust extension module ``strata_rs._core``."""
 
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from os import PathLike
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +26,9 @@ class DeviceUnavailable(StrataError):
 
 class EngineStopped(StrataError):
     """The engine is closed or its loop has stopped."""
+
+class EngineBusy(StrataError):
+    """Too many requests are waiting (``max_waiting``); retry later."""
 
 class CudaDevice(TypedDict):
     index: int
@@ -64,18 +67,222 @@ class BenchResult(TypedDict):
     decode_weight_bytes: int
     read_bandwidth_gb_s: dict[int, float]
 
+class SamplingParams:
+    """How to pick tokens and when to stop. Keyword arguments only; each is checked at once and
+    InvalidRequest names a bad one (wrong type, out of range, unknown keyword)."""
+
+    def __init__(
+        self,
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        logprobs: int | bool | None = None,
+        n: int = 1,
+        skip_special_tokens: bool = True,
+    ) -> None: ...
+    @property
+    def max_tokens(self) -> int | None:
+        """Most tokens to generate; None: until the context is full."""
+    @property
+    def temperature(self) -> float:
+        """0 picks the most likely token (greedy)."""
+    @property
+    def top_k(self) -> int:
+        """Keep the k most likely tokens; 0 keeps all."""
+    @property
+    def top_p(self) -> float:
+        """Keep the smallest set of most likely tokens whose probability reaches p, in (0, 1]."""
+    @property
+    def min_p(self) -> float:
+        """Drop tokens less likely than min_p times the most likely one, in [0, 1]."""
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def seed(self) -> int | None:
+        """Same seed and prompt give the same output, whatever else is in the batch."""
+    @property
+    def stop(self) -> list[str]:
+        """Stop strings: matched across token boundaries, never emitted."""
+    @property
+    def stop_token_ids(self) -> list[int]: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives reported with each token's log-probability; None: no logprobs."""
+    @property
+    def n(self) -> int:
+        """Choices generated from the prompt (they share its K/V blocks)."""
+    @property
+    def skip_special_tokens(self) -> bool: ...
+
+class TopLogprob(TypedDict):
+    token_id: int
+    token: str
+    logprob: float
+
+class TokenLogprob(TypedDict):
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+class Usage:
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int:
+        """Summed over choices."""
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose K/V came from the cache instead of a prefill."""
+
+class StreamChunk:
+    @property
+    def index(self) -> int:
+        """Which choice (0..n) the chunk belongs to."""
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]:
+        """One id, or several when the consumer fell behind and deltas were merged."""
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Set on the choice's last chunk."""
+    @property
+    def usage(self) -> Usage | None:
+        """Set on the stream's last chunk."""
+
+class TokenStream(AsyncIterator[StreamChunk]):
+    """The chunks of one request. Dropping it (break, a cancelled task) cancels the request; the
+    engine frees its blocks at its next step. Raises EngineStopped if the engine closes first."""
+
+    def __aiter__(self) -> TokenStream: ...
+    def __anext__(self) -> Awaitable[StreamChunk]: ...
+    def cancel(self) -> None:
+        """Stops the request; the stream ends with a chunk whose finish_reason is "cancelled"."""
+    def aclose(self) -> Awaitable[None]: ...
+    @property
+    def request_id(self) -> int: ...
+
+class Choice:
+    @property
+    def index(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+
+class Completion:
+    """A whole answer; text, token_ids, logprobs and finish_reason are those of choice 0."""
+
+    @property
+    def text(self) -> str: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+    @property
+    def usage(self) -> Usage: ...
+    @property
+    def choices(self) -> list[Choice]: ...
+
+class Histogram(TypedDict):
+    bounds: list[float]
+    counts: list[int]
+    """counts[i]: observations in (bounds[i-1], bounds[i]]; the last: above bounds[-1]."""
+    sum: float
+    count: int
+
+class EngineStatsDict(TypedDict):
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_usage: float
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    prompt_tokens: int
+    generated_tokens: int
+    requests_finished: int
+    requests_cancelled: int
+    requests_refused: int
+    steps: int
+    step_tokens: int
+    last_step_seconds: float
+    step_seconds: Histogram
+    ttft_seconds: Histogram
+    stopped: str | None
+
+Prompt = str | Sequence[int]
+
 class Engine:
     @staticmethod
     def load(
         path: str | PathLike[str],
         device: str = "cpu",
-        threads: int | None = None,
-        max_batch_tokens: int = 512,
-        kv_memory_mib: int | None = None,
+        max_batch: int = 8,
         max_context: int | None = None,
+        kv_memory_mib: int | None = None,
+        max_batch_tokens: int = 512,
+        max_waiting: int = 256,
+        threads: int | None = None,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError, DeviceUnavailable or
-        InvalidRequest."""
+        InvalidRequest.
+
+        max_batch: sequences decoding at once. max_context: longest sequence (default: the
+        model's). kv_memory_mib: K/V pool budget (default: one max_context sequence, at most
+        2 GiB). max_batch_tokens: tokens per forward step (prefill chunk size). max_waiting:
+        requests that may wait for admission before EngineBusy."""
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> TokenStream:
+        """Streams the continuation of a prompt (text, encoded with special tokens, or token
+        ids). Sampling options as `params` or as SamplingParams keywords. Raises InvalidRequest,
+        ContextOverflow, EngineBusy or EngineStopped at once."""
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TokenStream:
+        """Streams the assistant's answer to `messages`, rendered with the chat template."""
+    def complete(
+        self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
+    ) -> Awaitable[Completion]:
+        """The whole answer at once."""
+    def stats(self) -> EngineStatsDict:
+        """Counters as of the engine's last step (no round trip to the engine thread)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:
         """Logits of every position, ``[len(token_ids), vocab_size]`` float32."""
     def benchmark(

@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also run this peer on the same weights, interleaved with strata-rs round by round",
     )
     b.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --compare")
+    b.add_argument(
+        "--serving",
+        action="store_true",
+        help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
+        "the Python stream's per-token overhead",
+    )
 
     i = sub.add_parser("info", help="show what a model folder is and how it would load")
     i.add_argument("--model", type=Path, required=True)
@@ -186,6 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "bench":
             result = asyncio.run(_bench(args))
             _print_bench(result)
+            if args.serving:
+                from strata_rs.bench.serving import print_serving, run_serving
+
+                result["serving"] = asyncio.run(
+                    run_serving(str(args.model), args.device, args.threads, rounds=args.rounds)
+                )
+                print()
+                print_serving(result["serving"])
             if args.json is not None:
                 args.json.write_text(json.dumps(result, indent=2, default=str))
             return 0

@@ -1,14 +1,17 @@
-//! Engine: the model, its K/V pool and its workspace, owned by one dedicated thread.
+//! Engine: the model, its K/V pool and its scheduler, owned by one dedicated thread.
 //!
-//! Callers talk to the thread through a channel and get answers on oneshot channels, so nothing
-//! waits on a lock held by the compute loop and an async caller just awaits the reply.
+//! Callers talk to the thread through a channel: a request is validated on the caller's side,
+//! sent over, and its tokens come back on the request's own stream. Nothing waits on a lock held
+//! by the compute loop, and an async caller just awaits its stream.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::bench::{self, BenchReport, BenchSpec};
 use crate::device::{self, Device};
@@ -17,9 +20,20 @@ use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Model;
+use core::EngineCore;
+use request::{CancelFlag, Event, Request, SamplingParams};
 use runner::ModelRunner;
+use scheduler::Scheduler;
+use stats::EngineStats;
 
+pub mod core;
+pub mod request;
 pub mod runner;
+pub mod sampler;
+pub mod scheduler;
+pub mod sequence;
+pub mod stats;
+pub mod stop;
 
 /// Tokens in a K/V block.
 pub const BLOCK_SIZE: usize = 16;
@@ -31,6 +45,10 @@ pub struct EngineOptions {
     pub threads: Option<usize>,
     /// Tokens per forward step; a longer prompt is prefilled in chunks of this size.
     pub max_batch_tokens: usize,
+    /// Sequences running at once (rows of a decode step).
+    pub max_batch: usize,
+    /// Requests that may wait for admission; past it, `submit` refuses with EngineBusy.
+    pub max_waiting: usize,
     /// K/V pool budget; `None`: enough for `max_context` tokens, at most 2 GiB.
     pub kv_memory_mib: Option<usize>,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
@@ -43,6 +61,8 @@ impl Default for EngineOptions {
             device: Device::Cpu,
             threads: None,
             max_batch_tokens: 512,
+            max_batch: 8,
+            max_waiting: 256,
             kv_memory_mib: None,
             max_context: None,
         }
@@ -61,12 +81,15 @@ pub struct EngineInfo {
     pub threads: usize,
     pub max_context: usize,
     pub max_batch_tokens: usize,
+    pub max_batch: usize,
+    pub max_waiting: usize,
     pub kv_blocks: usize,
     pub block_size: usize,
     pub decode_weight_bytes: usize,
 }
 
 enum Command {
+    Submit(Request),
     Logits {
         ids: Vec<u32>,
         reply: oneshot::Sender<Result<Vec<f32>>>,
@@ -83,6 +106,17 @@ pub struct Engine {
     /// `None` once closed.
     tx: Option<mpsc::Sender<Command>>,
     thread: Option<JoinHandle<()>>,
+    next_request_id: AtomicU64,
+    /// Requests submitted and not yet admitted (the engine thread counts them down).
+    queued: Arc<AtomicUsize>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+/// A submitted request: its stream of events and the switch that cancels it.
+pub struct Submission {
+    pub id: u64,
+    pub events: tmpsc::UnboundedReceiver<Event>,
+    pub cancel: CancelFlag,
 }
 
 impl Engine {
@@ -94,6 +128,9 @@ impl Engine {
                 "max_batch_tokens",
                 "must be at least 1",
             ));
+        }
+        if opts.max_batch == 0 {
+            return Err(StrataError::invalid("max_batch", "must be at least 1"));
         }
         let threads = match opts.threads {
             Some(0) => return Err(StrataError::invalid("threads", "must be at least 1")),
@@ -132,8 +169,11 @@ impl Engine {
         // One sequence must fit in the pool, else no request of max_context could ever run.
         let max_context = max_context.min(kv_blocks * BLOCK_SIZE);
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
+        // Every running sequence's decode row must fit in one step.
+        let max_batch = opts.max_batch.min(max_batch_tokens);
+        let salt = fingerprint(dir, &config, kv_dtype, BLOCK_SIZE);
         let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
-        let mut runner = ModelRunner::new(
+        let runner = ModelRunner::new(
             model,
             kv_blocks,
             BLOCK_SIZE,
@@ -151,20 +191,104 @@ impl Engine {
             threads,
             max_context,
             max_batch_tokens,
+            max_batch,
+            max_waiting: opts.max_waiting,
             kv_blocks,
             block_size: BLOCK_SIZE,
         };
+        let tokenizer = Arc::new(tokenizer);
+        let queued = Arc::new(AtomicUsize::new(0));
+        let stats = Arc::new(Mutex::new(EngineStats {
+            kv_blocks_total: kv_blocks,
+            ..Default::default()
+        }));
+        let core = EngineCore::new(
+            runner,
+            Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt),
+            tokenizer.clone(),
+            max_context,
+            max_batch,
+            queued.clone(),
+            stats.clone(),
+        );
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("strata-engine".into())
-            .spawn(move || serve(&mut runner, rx))
+            .spawn(move || serve(core, rx))
             .map_err(|e| StrataError::Internal(format!("cannot start the engine thread: {e}")))?;
         Ok(Engine {
             info,
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
             tx: Some(tx),
             thread: Some(thread),
+            next_request_id: AtomicU64::new(0),
+            queued,
+            stats,
         })
+    }
+
+    /// Validates a request and queues it. Its deltas arrive on `events`; the last one carries
+    /// the usage. Refuses with EngineBusy when `max_waiting` requests are already waiting.
+    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Submission> {
+        self.check_tokens(&prompt, "prompt")?;
+        params.validate(self.info.config.vocab_size)?;
+        let ctx = self.info.max_context;
+        if prompt.len() >= ctx {
+            return Err(StrataError::ContextOverflow(format!(
+                "prompt: {} tokens leave no room to generate in the context of {ctx} tokens",
+                prompt.len()
+            )));
+        }
+        if let Some(m) = params.max_tokens {
+            if prompt.len() + m > ctx {
+                return Err(StrataError::ContextOverflow(format!(
+                    "max_tokens: {} prompt tokens + {m} exceed the context of {ctx} tokens",
+                    prompt.len()
+                )));
+            }
+        }
+        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        let max_waiting = self.info.max_waiting;
+        if self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q < max_waiting).then_some(q + 1)
+            })
+            .is_err()
+        {
+            self.lock_stats().refused += 1;
+            return Err(StrataError::EngineBusy(format!(
+                "{max_waiting} requests are already waiting (max_waiting); retry later"
+            )));
+        }
+        let (events_tx, events) = tmpsc::unbounded_channel();
+        let cancel = CancelFlag::default();
+        let id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let req = Request {
+            id,
+            prompt,
+            params,
+            events: events_tx,
+            cancel: cancel.clone(),
+        };
+        if tx.send(Command::Submit(req)).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(stopped());
+        }
+        Ok(Submission { id, events, cancel })
+    }
+
+    /// A snapshot of the engine's counters, as of its last step.
+    pub fn stats(&self) -> EngineStats {
+        let mut s = self.lock_stats().clone();
+        // Queued requests still in the channel are waiting too.
+        s.waiting = s.waiting.max(self.queued.load(Ordering::Acquire));
+        s
+    }
+
+    fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {
+        // A poisoned lock only means a panic elsewhere; the counters are still readable.
+        self.stats.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn info(&self) -> &EngineInfo {
@@ -177,7 +301,7 @@ impl Engine {
 
     /// Validates `ids` and queues them; the receiver yields `[ids.len(), vocab]` logits.
     pub fn logits(&self, ids: Vec<u32>) -> Result<oneshot::Receiver<Result<Vec<f32>>>> {
-        self.check_tokens(&ids)?;
+        self.check_tokens(&ids, "token_ids")?;
         let (reply, rx) = oneshot::channel();
         self.send(Command::Logits { ids, reply })?;
         Ok(rx)
@@ -203,20 +327,20 @@ impl Engine {
         Ok(rx)
     }
 
-    fn check_tokens(&self, ids: &[u32]) -> Result<()> {
+    fn check_tokens(&self, ids: &[u32], field: &str) -> Result<()> {
         if ids.is_empty() {
-            return Err(StrataError::invalid("token_ids", "must not be empty"));
+            return Err(StrataError::invalid(field, "must not be empty"));
         }
         let vocab = self.info.config.vocab_size;
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(StrataError::invalid(
-                "token_ids",
+                field,
                 format!("token id {bad} is outside the vocabulary (size {vocab})"),
             ));
         }
         if ids.len() > self.info.max_context {
             return Err(StrataError::ContextOverflow(format!(
-                "token_ids: {} tokens exceed the context of {} tokens",
+                "{field}: {} tokens exceed the context of {} tokens",
                 ids.len(),
                 self.info.max_context
             )));
@@ -229,13 +353,20 @@ impl Engine {
         tx.send(cmd).map_err(|_| stopped())
     }
 
-    /// Stops the engine thread after the command in progress. Idempotent.
+    /// Stops the engine thread after the step in progress; every open stream ends with
+    /// EngineStopped. Idempotent.
     pub fn close(&mut self) {
-        self.tx = None; // the thread's recv() fails and it returns
-        if let Some(t) = self.thread.take() {
+        if let Some(t) = self.begin_close() {
             // A panicked engine thread has nothing left to clean up.
             let _ = t.join();
         }
+    }
+
+    /// Stops taking requests and tells the thread to stop; the caller joins the returned thread
+    /// (so that it need not hold a lock on the engine while the last step finishes).
+    pub fn begin_close(&mut self) -> Option<JoinHandle<()>> {
+        self.tx = None; // the thread's recv() fails and it returns
+        self.thread.take()
     }
 
     pub fn is_closed(&self) -> bool {
@@ -253,17 +384,98 @@ fn stopped() -> StrataError {
     StrataError::EngineStopped("the engine is closed".into())
 }
 
-/// The engine thread: answers commands until every sender is gone.
-fn serve(runner: &mut ModelRunner, rx: mpsc::Receiver<Command>) {
-    while let Ok(cmd) = rx.recv() {
-        match cmd {
-            Command::Logits { ids, reply } => {
-                // The caller may have gone away; nothing to do then.
-                let _ = reply.send(runner.all_logits(&ids));
-            }
-            Command::Bench { spec, reply } => {
-                let _ = reply.send(bench::run(runner, &spec));
+/// The engine thread: takes commands and runs steps until the engine is closed or faults.
+fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
+    let stop_reason = loop {
+        // Block while there is nothing to run; otherwise take what arrived and step.
+        if core.is_idle() {
+            match rx.recv() {
+                Ok(cmd) => handle(&mut core, cmd),
+                Err(_) => break "the engine was closed".to_string(),
             }
         }
+        let mut closed = false;
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => handle(&mut core, cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    closed = true;
+                    break;
+                }
+            }
+        }
+        if closed {
+            core.fail_all(|| StrataError::EngineStopped("the engine was closed".into()));
+            break "the engine was closed".to_string();
+        }
+        // A fault inside a step (a bug, or the OS failing us) stops the engine: every stream
+        // ends with the error and later calls get EngineStopped, rather than a loop that looks
+        // alive but serves nothing.
+        let fault = match catch_unwind(AssertUnwindSafe(|| core.step())) {
+            Ok(Ok(())) => continue,
+            Ok(Err(e)) => e.to_string(),
+            Err(panic) => panic_message(panic.as_ref()),
+        };
+        let msg = format!("engine fault: {fault}");
+        core.fail_all(|| StrataError::Internal(msg.clone()));
+        break msg;
+    };
+    core.set_stopped(stop_reason);
+}
+
+fn handle(core: &mut EngineCore, cmd: Command) {
+    match cmd {
+        Command::Submit(req) => {
+            core.count_prompt(req.prompt.len());
+            core.add_request(req);
+        }
+        Command::Logits { ids, reply } => {
+            // The caller may have gone away; nothing to do then.
+            let _ = reply.send(core.runner.all_logits(&ids));
+        }
+        Command::Bench { spec, reply } => {
+            let _ = reply.send(bench::run(&mut core.runner, &spec));
+        }
     }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        format!("panic: {s}")
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        format!("panic: {s}")
+    } else {
+        "panic".into()
+    }
+}
+
+/// Salt of every prefix hash chain: the model (its config and the layout of its weight files),
+/// the K/V format and the block size, so that cached K/V never crosses any of them.
+fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: usize) -> u64 {
+    let mut parts: Vec<u64> = vec![block_size as u64, kv_dtype.size() as u64];
+    parts.push(config.vocab_size as u64);
+    if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
+        parts.extend(bytes.iter().map(|&b| u64::from(b)));
+    }
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        let mut files: Vec<(String, u64)> = entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let len = e.metadata().ok()?.len();
+                name.ends_with(".safetensors").then_some((name, len))
+            })
+            .collect();
+        files.sort();
+        for (name, len) in files {
+            parts.extend(name.bytes().map(u64::from));
+            parts.push(len);
+        }
+    }
+    let words: Vec<u32> = parts
+        .iter()
+        .flat_map(|&p| [p as u32, (p >> 32) as u32])
+        .collect();
+    crate::kv::prefix::block_hash(0x5712_a7a5, &words)
 }

@@ -3,9 +3,12 @@
 //! Layout per layer: K and V are each `[num_blocks, block_size, kv_heads, head_dim]`, stored as
 //! f32 or f16 ([`KvDtype`]; rows are written as f32 and rounded to nearest). A
 //! sequence owns a block table; its token at position p lives in block `table[p / block_size]`,
-//! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix.
+//! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix, and
+//! full blocks can be indexed by their prefix hash ([`PrefixIndex`]) so that a block nobody holds
+//! keeps its K/V until the space is needed.
 
 use crate::error::{Result, StrataError};
+use crate::kv::prefix::PrefixIndex;
 use crate::model::kernels::cpu::attention::{KvData, KvLayer};
 use crate::model::weights::DType;
 use half::f16;
@@ -79,8 +82,10 @@ pub struct BlockPool {
     kv_dtype: KvDtype,
     layers: Vec<LayerStore>,
     refcount: Vec<u32>,
-    /// Free block ids; popped from the end, so recently freed blocks are reused first.
+    /// Blocks that hold nothing worth keeping; popped from the end.
     free: Vec<u32>,
+    /// Indexed full blocks; those nobody holds are evictable, least recently used first.
+    prefix: PrefixIndex,
 }
 
 impl BlockPool {
@@ -140,6 +145,7 @@ impl BlockPool {
             layers,
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
+            prefix: PrefixIndex::new(num_blocks),
         })
     }
 
@@ -155,37 +161,82 @@ impl BlockPool {
         self.num_blocks
     }
 
+    /// Blocks an allocation can take: free ones plus cached ones nobody holds.
     pub fn num_free(&self) -> usize {
-        self.free.len()
+        self.free.len() + self.prefix.evictable()
     }
 
-    /// Takes `n` blocks, or none at all when fewer than `n` are free.
+    /// Blocks some sequence holds.
+    pub fn num_used(&self) -> usize {
+        self.num_blocks - self.num_free()
+    }
+
+    /// Blocks indexed in the prefix cache, held or not.
+    pub fn num_cached(&self) -> usize {
+        self.prefix.len()
+    }
+
+    /// Takes `n` blocks, or none at all when fewer than `n` can be had. Free blocks go first;
+    /// then the least recently used cached blocks are evicted.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
-        if n > self.free.len() {
+        if n > self.num_free() {
             return None;
         }
-        let blocks = self.free.split_off(self.free.len() - n);
+        let from_free = n.min(self.free.len());
+        let mut blocks = self.free.split_off(self.free.len() - from_free);
+        while blocks.len() < n {
+            // num_free() counted the evictable blocks, so this cannot run dry.
+            blocks.push(self.prefix.evict()?);
+        }
         for &b in &blocks {
             self.refcount[b as usize] = 1;
         }
         Some(blocks)
     }
 
-    /// Adds a reference to a block another sequence already holds (a shared prefix).
+    /// Adds a reference to a block: a shared prefix, or a cache hit on a block nobody held.
     pub fn retain(&mut self, block: u32) {
-        self.refcount[block as usize] += 1;
+        let rc = &mut self.refcount[block as usize];
+        if *rc == 0 {
+            self.prefix.unpark(block);
+        }
+        *rc += 1;
     }
 
-    /// Drops one reference to each block; blocks nobody holds go back to the free list.
+    /// Drops one reference to each block of a block table. A block nobody holds any more stays
+    /// cached when it is indexed, else it is free. The table is released from its end, so that a
+    /// sequence's last blocks are evicted before the prefix they extend.
     pub fn release(&mut self, blocks: &[u32]) {
-        for &b in blocks {
+        for &b in blocks.iter().rev() {
             let rc = &mut self.refcount[b as usize];
             debug_assert!(*rc > 0, "block {b} released more often than taken");
             *rc = rc.saturating_sub(1);
             if *rc == 0 {
-                self.free.push(b);
+                if self.prefix.is_indexed(b) {
+                    self.prefix.park(b);
+                } else {
+                    self.free.push(b);
+                }
             }
         }
+    }
+
+    /// Indexes a full, computed block under its prefix hash; false when that prefix is already
+    /// cached in another block (this one then stays private and is freed as usual).
+    pub fn register(&mut self, block: u32, hash: u64, tokens: &[u32]) -> bool {
+        debug_assert!(self.refcount[block as usize] > 0, "register a held block");
+        self.prefix.insert(block, hash, tokens)
+    }
+
+    /// The cached blocks holding the longest prefix of `hashes` (hashes of consecutive full
+    /// blocks of `tokens`). The caller retains what it uses.
+    pub fn lookup(&self, hashes: &[u64], tokens: &[u32]) -> Vec<u32> {
+        let bs = self.block_size;
+        hashes
+            .iter()
+            .enumerate()
+            .map_while(|(i, &h)| self.prefix.get(h, &tokens[i * bs..(i + 1) * bs]))
+            .collect()
     }
 
     /// Index of the K/V row for position `pos` of a sequence with block table `table`.
@@ -241,6 +292,40 @@ mod tests {
         assert_eq!(pool.num_free(), 3, "the shared block stays taken");
         pool.release(&a[..1]);
         assert_eq!(pool.num_free(), 4);
+    }
+
+    #[test]
+    fn cached_blocks_survive_release_and_are_evicted_last() {
+        let mut pool = BlockPool::new(1, 4, 2, 1, 2, KvDtype::F32).unwrap();
+        let toks = [1u32, 2, 3, 4];
+        let hashes = [11u64, 12];
+        let a = pool.allocate(3).unwrap();
+        assert!(pool.register(a[0], hashes[0], &toks[0..2]));
+        assert!(pool.register(a[1], hashes[1], &toks[2..4]));
+        assert_eq!(pool.lookup(&hashes, &toks), vec![a[0], a[1]]);
+        assert_eq!(
+            pool.lookup(&hashes, &[1, 2, 3, 5]),
+            vec![a[0]],
+            "tokens are checked"
+        );
+        pool.release(&a);
+        assert_eq!(
+            (pool.num_free(), pool.num_used(), pool.num_cached()),
+            (4, 0, 2)
+        );
+        // A hit takes the cached blocks back.
+        let hit = pool.lookup(&hashes, &toks);
+        hit.iter().for_each(|&b| pool.retain(b));
+        assert_eq!((pool.num_free(), pool.num_used()), (2, 2));
+        pool.release(&hit);
+        // Free blocks go first, then the leaf (released first, so older), then its parent.
+        let b = pool.allocate(2).unwrap();
+        assert!(!b.contains(&a[0]) && !b.contains(&a[1]));
+        assert_eq!(pool.allocate(1).unwrap(), vec![a[1]]);
+        assert_eq!(pool.lookup(&hashes, &toks), vec![a[0]]);
+        assert_eq!(pool.allocate(1).unwrap(), vec![a[0]]);
+        assert!(pool.lookup(&hashes, &toks).is_empty());
+        assert!(pool.allocate(1).is_none());
     }
 
     #[test]

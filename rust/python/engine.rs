@@ -1,19 +1,27 @@
-//! `Engine`: load a model folder, get logits, benchmark, close. Every call that waits returns an
-//! awaitable; the work runs on the engine thread or a blocking thread, never holding the GIL.
+//! `Engine`: load a model folder; generate, chat and complete; stats; logits; benchmark; close.
+//! Every call that waits returns an awaitable or an async iterator; the work runs on the engine
+//! thread or a blocking thread, never holding the GIL.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 use pyo3_async_runtimes::tokio::future_into_py;
 
 use super::errors::to_pyerr;
+use super::json::py_to_json;
+use super::output::completion;
+use super::sampling_params::{resolve, PySamplingParams};
+use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
 use crate::bench::BenchSpec;
 use crate::device::Device;
-use crate::engine::{Engine, EngineOptions};
+use crate::engine::request::{validate_messages, SamplingParams};
+use crate::engine::stats::{EngineStats, Histogram};
+use crate::engine::{Engine, EngineOptions, Submission};
 use crate::error::StrataError;
+use crate::model::tokenizer::Tokenizer;
 
 #[pyclass(name = "Engine", module = "strata_rs", frozen)]
 pub struct PyEngine {
@@ -63,25 +71,140 @@ fn usize_arg(value: Option<i64>, field: &str) -> PyResult<Option<usize>> {
         .transpose()
 }
 
+/// Cancels a request when the future that collects it is dropped.
+struct CancelOnDrop(crate::engine::request::CancelFlag);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+fn histogram_dict<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("bounds", h.bounds.to_vec())?;
+    d.set_item("counts", h.counts.clone())?;
+    d.set_item("sum", h.sum)?;
+    d.set_item("count", h.count)?;
+    Ok(d)
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("running", s.running)?;
+    d.set_item("waiting", s.waiting)?;
+    d.set_item("kv_blocks_total", s.kv_blocks_total)?;
+    d.set_item("kv_blocks_used", s.kv_blocks_used)?;
+    d.set_item("kv_blocks_cached", s.kv_blocks_cached)?;
+    d.set_item(
+        "kv_usage",
+        s.kv_blocks_used as f64 / s.kv_blocks_total.max(1) as f64,
+    )?;
+    d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
+    d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
+    d.set_item("preemptions", s.preemptions)?;
+    d.set_item("prompt_tokens", s.prompt_tokens)?;
+    d.set_item("generated_tokens", s.generated_tokens)?;
+    d.set_item("requests_finished", s.finished)?;
+    d.set_item("requests_cancelled", s.cancelled)?;
+    d.set_item("requests_refused", s.refused)?;
+    d.set_item("steps", s.steps)?;
+    d.set_item("step_tokens", s.step_tokens)?;
+    d.set_item("last_step_seconds", s.last_step_seconds)?;
+    d.set_item("step_seconds", histogram_dict(py, &s.step_seconds)?)?;
+    d.set_item("ttft_seconds", histogram_dict(py, &s.ttft_seconds)?)?;
+    d.set_item("stopped", s.stopped.clone())?;
+    Ok(d)
+}
+
+impl PyEngine {
+    fn vocab_size(&self) -> usize {
+        lock(&self.engine).info().config.vocab_size
+    }
+
+    fn tokenizer_arc(&self) -> Arc<Tokenizer> {
+        lock(&self.engine).tokenizer().clone()
+    }
+
+    /// Token ids of a prompt given as text (encoded with special tokens) or as ids.
+    fn prompt_ids(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        if let Ok(s) = prompt.cast::<PyString>() {
+            let text = s.to_str()?.to_owned();
+            let tok = self.tokenizer_arc();
+            return py.detach(|| tok.encode(&text, true)).map_err(to_pyerr);
+        }
+        if prompt.is_instance_of::<PyList>() || prompt.is_instance_of::<PyTuple>() {
+            let ids: Vec<i64> = prompt.extract().map_err(|_| {
+                to_pyerr(StrataError::invalid(
+                    "prompt",
+                    "a list prompt must hold integer token ids",
+                ))
+            })?;
+            return token_ids(ids).map_err(|_| {
+                to_pyerr(StrataError::invalid(
+                    "prompt",
+                    "token ids must be in 0..2**32",
+                ))
+            });
+        }
+        Err(to_pyerr(StrataError::invalid(
+            "prompt",
+            "must be a string or a list of token ids",
+        )))
+    }
+
+    fn submit(
+        &self,
+        py: Python<'_>,
+        ids: Vec<u32>,
+        params: SamplingParams,
+    ) -> PyResult<Submission> {
+        let engine = lock(&self.engine);
+        py.detach(|| engine.submit(ids, params)).map_err(to_pyerr)
+    }
+
+    fn stream(
+        &self,
+        py: Python<'_>,
+        ids: Vec<u32>,
+        params: SamplingParams,
+    ) -> PyResult<PyTokenStream> {
+        let want_logprobs = params.logprobs.is_some();
+        let sub = self.submit(py, ids, params)?;
+        Ok(PyTokenStream::new(
+            sub.events,
+            sub.cancel,
+            self.tokenizer_arc(),
+            want_logprobs,
+            sub.id,
+        ))
+    }
+}
+
 #[pymethods]
 impl PyEngine {
     /// Loads a Hugging Face model folder. Awaitable; raises ModelLoadError, DeviceUnavailable or
     /// InvalidRequest.
     #[staticmethod]
-    #[pyo3(signature = (path, device = "cpu", threads = None, max_batch_tokens = 512, kv_memory_mib = None, max_context = None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
         device: &str,
-        threads: Option<i64>,
-        max_batch_tokens: i64,
-        kv_memory_mib: Option<i64>,
+        max_batch: i64,
         max_context: Option<i64>,
+        kv_memory_mib: Option<i64>,
+        max_batch_tokens: i64,
+        max_waiting: i64,
+        threads: Option<i64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let opts = EngineOptions {
             device: Device::parse(device).map_err(to_pyerr)?,
             threads: usize_arg(threads, "threads")?,
             max_batch_tokens: usize_arg(Some(max_batch_tokens), "max_batch_tokens")?.unwrap_or(0),
+            max_batch: usize_arg(Some(max_batch), "max_batch")?.unwrap_or(0),
+            max_waiting: usize_arg(Some(max_waiting), "max_waiting")?.unwrap_or(0),
             kv_memory_mib: usize_arg(kv_memory_mib, "kv_memory_mib")?,
             max_context: usize_arg(max_context, "max_context")?,
         };
@@ -103,6 +226,81 @@ impl PyEngine {
                 })
             })
         })
+    }
+
+    /// Streams the continuation of `prompt` (a string, encoded with the model's special tokens,
+    /// or a list of token ids). Sampling options come as `params` or as keyword arguments.
+    /// Raises InvalidRequest, ContextOverflow or EngineBusy at once; returns a TokenStream.
+    #[pyo3(signature = (prompt, params = None, **kwargs))]
+    fn generate(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        params: Option<PyRef<'_, PySamplingParams>>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyTokenStream> {
+        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let ids = self.prompt_ids(py, prompt)?;
+        self.stream(py, ids, params)
+    }
+
+    /// Streams the assistant's answer to `messages`, rendered with the model's chat template.
+    #[pyo3(signature = (messages, params = None, *, add_generation_prompt = true, chat_template_kwargs = None, **kwargs))]
+    fn chat(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        params: Option<PyRef<'_, PySamplingParams>>,
+        add_generation_prompt: bool,
+        chat_template_kwargs: Option<&Bound<'_, PyDict>>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PyTokenStream> {
+        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let messages = py_to_json(messages, "messages")?;
+        let extra = chat_template_kwargs
+            .map(|k| py_to_json(k.as_any(), "chat_template_kwargs"))
+            .transpose()?;
+        let tok = self.tokenizer_arc();
+        let ids = py
+            .detach(|| -> Result<Vec<u32>, StrataError> {
+                validate_messages(&messages)?;
+                let text =
+                    tok.apply_chat_template(&messages, add_generation_prompt, extra.as_ref())?;
+                // The template writes the special tokens itself.
+                tok.encode(&text, false)
+            })
+            .map_err(to_pyerr)?;
+        self.stream(py, ids, params)
+    }
+
+    /// The whole answer to `prompt` at once: an awaitable Completion.
+    #[pyo3(signature = (prompt, params = None, **kwargs))]
+    fn complete<'py>(
+        &self,
+        py: Python<'py>,
+        prompt: &Bound<'py, PyAny>,
+        params: Option<PyRef<'py, PySamplingParams>>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let ids = self.prompt_ids(py, prompt)?;
+        let (n, want_logprobs) = (params.n, params.logprobs.is_some());
+        let Submission { events, cancel, .. } = self.submit(py, ids, params)?;
+        let tok = self.tokenizer_arc();
+        future_into_py(py, async move {
+            // Dropped with this future (the caller's task cancelled): the request is cancelled.
+            let _cancel_on_drop = CancelOnDrop(cancel);
+            let mut state = StreamState::new(events);
+            let (choices, usage) = collect(&mut state, n).await.map_err(to_pyerr)?;
+            Python::attach(|py| completion(py, &tok, choices, usage, want_logprobs))
+        })
+    }
+
+    /// Counters as of the engine's last step: running, waiting, K/V blocks, prefix hits, tokens,
+    /// preemptions, step times, TTFT. A plain dict; cheap (no round trip to the engine thread).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = lock(&self.engine).stats();
+        stats_dict(py, &s)
     }
 
     /// Logits of every position: a float32 numpy array `[len(token_ids), vocab_size]`.
@@ -180,9 +378,15 @@ impl PyEngine {
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.engine.clone();
         future_into_py(py, async move {
-            tokio::task::spawn_blocking(move || lock(&engine).close())
+            let thread = lock(&engine).begin_close();
+            if let Some(t) = thread {
+                tokio::task::spawn_blocking(move || {
+                    // A panicked engine thread has nothing left to clean up.
+                    let _ = t.join();
+                })
                 .await
                 .map_err(join_error)?;
+            }
             Ok(())
         })
     }
@@ -215,6 +419,8 @@ impl PyEngine {
         d.set_item("vocab_size", c.vocab_size)?;
         d.set_item("max_context", i.max_context)?;
         d.set_item("max_batch_tokens", i.max_batch_tokens)?;
+        d.set_item("max_batch", i.max_batch)?;
+        d.set_item("max_waiting", i.max_waiting)?;
         d.set_item("kv_blocks", i.kv_blocks)?;
         d.set_item("block_size", i.block_size)?;
         d.set_item("decode_weight_bytes", i.decode_weight_bytes)?;

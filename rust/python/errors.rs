@@ -16,6 +16,7 @@ struct Classes {
     context_overflow: Py<PyType>,
     device_unavailable: Py<PyType>,
     engine_stopped: Py<PyType>,
+    engine_busy: Py<PyType>,
 }
 
 static CLASSES: PyOnceLock<Classes> = PyOnceLock::new();
@@ -51,6 +52,7 @@ fn classes(py: Python<'_>) -> PyResult<&Classes> {
             model_load: make_class(py, "ModelLoadError", std::slice::from_ref(&b), "The model folder cannot be loaded; the message names the file and the field or tensor.")?,
             context_overflow: make_class(py, "ContextOverflow", &[invalid.bind(py).clone()], "The request is longer than the engine's context.")?,
             device_unavailable: make_class(py, "DeviceUnavailable", std::slice::from_ref(&b), "The requested device cannot be used.")?,
+            engine_busy: make_class(py, "EngineBusy", std::slice::from_ref(&b), "Too many requests are waiting; retry later.")?,
             engine_stopped: make_class(py, "EngineStopped", &[b], "The engine is closed or its loop has stopped.")?,
             invalid_request: invalid,
             strata_error: base,
@@ -67,6 +69,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ContextOverflow", c.context_overflow.bind(py))?;
     m.add("DeviceUnavailable", c.device_unavailable.bind(py))?;
     m.add("EngineStopped", c.engine_stopped.bind(py))?;
+    m.add("EngineBusy", c.engine_busy.bind(py))?;
     Ok(())
 }
 
@@ -82,6 +85,7 @@ pub fn to_pyerr(e: StrataError) -> PyErr {
             StrataError::ContextOverflow(_) => &c.context_overflow,
             StrataError::DeviceUnavailable(_) => &c.device_unavailable,
             StrataError::EngineStopped(_) => &c.engine_stopped,
+            StrataError::EngineBusy(_) => &c.engine_busy,
             StrataError::Internal(_) => &c.strata_error,
         };
         PyErr::from_type(class.bind(py).clone(), e.to_string())

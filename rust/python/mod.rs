@@ -3,6 +3,9 @@
 mod engine;
 mod errors;
 mod json;
+mod output;
+mod sampling_params;
+mod stream;
 mod tokenizer;
 
 use pyo3::prelude::*;
@@ -30,6 +33,12 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<tokenizer::PyTokenizer>()?;
+    m.add_class::<sampling_params::PySamplingParams>()?;
+    m.add_class::<stream::PyTokenStream>()?;
+    m.add_class::<output::PyStreamChunk>()?;
+    m.add_class::<output::PyCompletion>()?;
+    m.add_class::<output::PyChoice>()?;
+    m.add_class::<output::PyUsage>()?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

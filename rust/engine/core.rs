@@ -1,0 +1,412 @@
+//! EngineCore: the state the engine thread owns and the step it repeats: schedule, run one
+//! forward over the mixed batch, sample, stream the deltas out.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
+use super::runner::ModelRunner;
+use super::sampler::Sampler;
+use super::scheduler::{Chunk, Scheduler};
+use super::sequence::Sequence;
+use super::stats::EngineStats;
+use super::stop::StopStrings;
+use crate::error::{Result, StrataError};
+use crate::model::forward::{LogitsWanted, SeqChunk};
+use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
+
+/// A request's choices share this until the last one finishes.
+struct RequestState {
+    choices_left: usize,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    /// Still counted against `max_waiting` (no choice admitted yet).
+    queued: bool,
+}
+
+pub struct EngineCore {
+    pub runner: ModelRunner,
+    pub scheduler: Scheduler,
+    tokenizer: Arc<Tokenizer>,
+    max_context: usize,
+    requests: HashMap<u64, RequestState>,
+    next_seq_id: u64,
+    /// Logits of the rows a step samples from: `[max_batch, vocab]`, allocated at load.
+    logits: Vec<f32>,
+    /// Requests submitted and not yet admitted; shared with submitters for the `max_waiting` bound.
+    pub queued: Arc<AtomicUsize>,
+    /// Published to `stats` in one piece after each step, so readers never see half a step.
+    local: EngineStats,
+    pub stats: Arc<Mutex<EngineStats>>,
+    /// Seeds requests that did not bring one.
+    entropy: u64,
+    /// Deltas of the step in progress: sent after its stats are published, so that a caller
+    /// who sees its request end also sees the blocks it freed.
+    outbox: Vec<(UnboundedSender<Event>, Event)>,
+}
+
+impl EngineCore {
+    pub fn new(
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Arc<Tokenizer>,
+        max_context: usize,
+        max_batch: usize,
+        queued: Arc<AtomicUsize>,
+        stats: Arc<Mutex<EngineStats>>,
+    ) -> EngineCore {
+        let vocab = runner.model.config.vocab_size;
+        let entropy = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0x5eed, |d| d.as_nanos() as u64);
+        EngineCore {
+            runner,
+            scheduler,
+            tokenizer,
+            max_context,
+            requests: HashMap::new(),
+            next_seq_id: 0,
+            logits: vec![0.0; max_batch * vocab],
+            queued,
+            local: EngineStats::default(),
+            stats,
+            entropy,
+            outbox: Vec::new(),
+        }
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.scheduler.is_idle()
+    }
+
+    /// Queues a validated request as one sequence per choice.
+    pub fn add_request(&mut self, req: Request) {
+        let p = &req.params;
+        let vocab = self.runner.model.config.vocab_size;
+        let max_len = match p.max_tokens {
+            Some(m) => (req.prompt.len() + m).min(self.max_context),
+            None => self.max_context,
+        };
+        let mut stop_ids = p.stop_token_ids.clone();
+        if !p.ignore_eos {
+            stop_ids.extend_from_slice(self.tokenizer.eos_token_ids());
+        }
+        let first = self.next_seq_id;
+        for index in 0..p.n {
+            let seed = match p.seed {
+                Some(s) => splitmix(s.wrapping_add(index as u64)),
+                None => {
+                    self.entropy = splitmix(self.entropy);
+                    self.entropy
+                }
+            };
+            let seq = Sequence {
+                id: self.next_seq_id,
+                request_id: req.id,
+                index,
+                tokens: req.prompt.clone(),
+                prompt_len: req.prompt.len(),
+                computed: 0,
+                table: Vec::new(),
+                hashes: Vec::new(),
+                registered: 0,
+                cached_tokens: 0,
+                max_len,
+                sampler: Sampler::new(p, seed, &req.prompt, vocab),
+                detok: IncrementalDecoder::new(p.skip_special_tokens),
+                stop: StopStrings::new(p.stop.clone()),
+                stop_ids: stop_ids.clone(),
+                want_logprobs: p.logprobs.is_some(),
+                events: req.events.clone(),
+                cancel: req.cancel.clone(),
+                follows: (index > 0).then_some(first),
+                admissions: 0,
+                arrived: Instant::now(),
+                first_token_at: None,
+            };
+            self.next_seq_id += 1;
+            self.scheduler.waiting.push_back(seq);
+        }
+        self.requests.insert(
+            req.id,
+            RequestState {
+                choices_left: p.n,
+                prompt_tokens: req.prompt.len(),
+                completion_tokens: 0,
+                cached_tokens: 0,
+                queued: true,
+            },
+        );
+    }
+
+    /// One engine step. Errors are internal faults; the caller ends every stream with them.
+    pub fn step(&mut self) -> Result<()> {
+        self.drop_cancelled();
+        let plan = self.scheduler.schedule(&mut self.runner.kv);
+        for seq in &self.scheduler.running {
+            if seq.admissions > 0 {
+                if let Some(r) = self.requests.get_mut(&seq.request_id) {
+                    if r.queued {
+                        r.queued = false;
+                        self.queued.fetch_sub(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        if plan.is_empty() {
+            self.publish_stats(None, &plan);
+            self.send_outbox();
+            return Ok(());
+        }
+        let started = Instant::now();
+        let rows = self.forward(&plan)?;
+        self.scheduler.commit(&plan, &mut self.runner.kv);
+        self.sample_and_emit(rows)?;
+        self.publish_stats(Some(started.elapsed()), &plan);
+        self.send_outbox();
+        Ok(())
+    }
+
+    fn send_outbox(&mut self) {
+        for (to, event) in self.outbox.drain(..) {
+            // A closed stream is noticed at the next step's cancellation sweep.
+            let _ = to.send(event);
+        }
+    }
+
+    /// Runs the model over the planned chunks; returns the sequences (in plan order) that got a
+    /// logits row: those whose chunk reaches their last token.
+    fn forward(&mut self, plan: &[Chunk]) -> Result<Vec<u64>> {
+        let mut batch = Vec::with_capacity(plan.len());
+        let mut sampled = Vec::new();
+        for c in plan {
+            let seq = self
+                .scheduler
+                .running
+                .iter()
+                .find(|s| s.id == c.seq)
+                .ok_or_else(|| StrataError::Internal("planned sequence is not running".into()))?;
+            let end = seq.computed + c.len;
+            let last = end == seq.tokens.len();
+            if last {
+                sampled.push(seq.id);
+            }
+            batch.push(SeqChunk {
+                tokens: &seq.tokens[seq.computed..end],
+                start_pos: seq.computed,
+                block_table: &seq.table,
+                logits: if last {
+                    LogitsWanted::Last
+                } else {
+                    LogitsWanted::None
+                },
+            });
+        }
+        let vocab = self.runner.model.config.vocab_size;
+        let out = &mut self.logits[..sampled.len() * vocab];
+        let runner = &mut self.runner;
+        runner.step(&batch, out)?;
+        Ok(sampled)
+    }
+
+    fn sample_and_emit(&mut self, rows: Vec<u64>) -> Result<()> {
+        let vocab = self.runner.model.config.vocab_size;
+        let now = Instant::now();
+        let mut finished = Vec::new();
+        let n_sampled = rows.len();
+        let mut ttfts = Vec::new();
+        for (r, id) in rows.into_iter().enumerate() {
+            let Some(seq) = self.scheduler.running_mut(id) else {
+                continue;
+            };
+            let row = &mut self.logits[r * vocab..(r + 1) * vocab];
+            let s = seq.sampler.sample(row);
+            let tok = s.token;
+            seq.tokens.push(tok);
+            if seq.first_token_at.is_none() {
+                seq.first_token_at = Some(now);
+                if seq.index == 0 {
+                    ttfts.push((now - seq.arrived).as_secs_f64());
+                }
+            }
+            let mut finish = None;
+            let mut text = String::new();
+            if seq.stop_ids.contains(&tok) {
+                finish = Some(FinishReason::Stop);
+            } else {
+                let piece = seq.detok.push(&self.tokenizer, tok)?;
+                let (emit, stopped) = seq.stop.push(&piece);
+                text = emit;
+                if stopped {
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+            if finish.is_none() && seq.tokens.len() >= seq.max_len {
+                let rest = seq.detok.flush(&self.tokenizer)?;
+                let (emit, stopped) = seq.stop.push(&rest);
+                text.push_str(&emit);
+                if !stopped {
+                    text.push_str(&seq.stop.flush());
+                }
+                // Held-back text can settle a stop string only now.
+                finish = Some(if seq.stop.stopped() {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                });
+            }
+            let logprobs = match (seq.want_logprobs, s.logprob) {
+                (true, Some(lp)) => vec![TokenLogprob {
+                    token: tok,
+                    logprob: lp,
+                    top: s.top_logprobs,
+                }],
+                _ => Vec::new(),
+            };
+            let delta = Delta {
+                index: seq.index,
+                token_ids: vec![tok],
+                text,
+                logprobs,
+                finish_reason: finish,
+                usage: None,
+            };
+            if let Some(f) = finish {
+                finished.push((id, f, delta));
+            } else {
+                self.outbox.push((seq.events.clone(), Event::Delta(delta)));
+            }
+        }
+        self.local.generated_tokens += n_sampled as u64;
+        ttfts
+            .into_iter()
+            .for_each(|t| self.local.ttft_seconds.push(t));
+        for (id, reason, delta) in finished {
+            self.finish(id, reason, Some(delta));
+        }
+        Ok(())
+    }
+
+    /// Removes a sequence and sends its last delta (with usage when its request is done).
+    fn finish(&mut self, id: u64, reason: FinishReason, delta: Option<Delta>) {
+        let Some(seq) = self.scheduler.remove(id, &mut self.runner.kv) else {
+            return;
+        };
+        let mut delta = delta.unwrap_or_else(|| Delta {
+            index: seq.index,
+            token_ids: Vec::new(),
+            text: String::new(),
+            logprobs: Vec::new(),
+            finish_reason: Some(reason),
+            usage: None,
+        });
+        if let Some(req) = self.requests.get_mut(&seq.request_id) {
+            req.completion_tokens += seq.output_len();
+            if seq.index == 0 {
+                req.cached_tokens = seq.cached_tokens;
+            }
+            req.choices_left -= 1;
+            if req.choices_left == 0 {
+                delta.usage = Some(Usage {
+                    prompt_tokens: req.prompt_tokens,
+                    completion_tokens: req.completion_tokens,
+                    cached_tokens: req.cached_tokens,
+                });
+                if req.queued {
+                    self.queued.fetch_sub(1, Ordering::Relaxed);
+                }
+                self.requests.remove(&seq.request_id);
+            }
+        }
+        match reason {
+            FinishReason::Cancelled => self.local.cancelled += 1,
+            _ => self.local.finished += 1,
+        }
+        self.outbox.push((seq.events, Event::Delta(delta)));
+    }
+
+    /// Sequences whose caller cancelled or stopped listening leave before the step is planned.
+    fn drop_cancelled(&mut self) {
+        let gone: Vec<u64> = self
+            .scheduler
+            .running
+            .iter()
+            .chain(&self.scheduler.waiting)
+            .filter(|s| s.cancel.is_cancelled() || s.events.is_closed())
+            .map(|s| s.id)
+            .collect();
+        for id in gone {
+            self.finish(id, FinishReason::Cancelled, None);
+        }
+    }
+
+    /// Ends every stream with `err` and forgets every sequence (engine stop or fault).
+    pub fn fail_all(&mut self, err: impl Fn() -> StrataError) {
+        let ids: Vec<u64> = self
+            .scheduler
+            .running
+            .iter()
+            .chain(&self.scheduler.waiting)
+            .map(|s| s.id)
+            .collect();
+        for id in ids {
+            if let Some(seq) = self.scheduler.remove(id, &mut self.runner.kv) {
+                if self
+                    .requests
+                    .remove(&seq.request_id)
+                    .is_some_and(|r| r.queued)
+                {
+                    self.queued.fetch_sub(1, Ordering::Relaxed);
+                }
+                self.outbox.push((seq.events, Event::Error(err())));
+            }
+        }
+        self.publish_stats(None, &[]);
+        self.send_outbox();
+    }
+
+    fn publish_stats(&mut self, step: Option<Duration>, plan: &[Chunk]) {
+        let kv = &self.runner.kv;
+        let st = &mut self.local;
+        st.running = self.scheduler.running.len();
+        st.waiting = self.scheduler.waiting.len();
+        st.kv_blocks_total = kv.num_blocks();
+        st.kv_blocks_used = kv.num_used();
+        st.kv_blocks_cached = kv.num_cached();
+        let c = self.scheduler.counters;
+        st.preemptions = c.preemptions;
+        st.prefix_query_tokens = c.prefix_query_tokens;
+        st.prefix_hit_tokens = c.prefix_hit_tokens;
+        if let Some(d) = step {
+            st.record_step(d, plan.iter().map(|c| c.len).sum());
+        }
+        let mut shared = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        // Refusals are counted by submitters, on their side of the channel.
+        let refused = shared.refused;
+        shared.clone_from(st);
+        shared.refused = refused;
+    }
+
+    /// Prompt tokens accepted, for the stats.
+    pub fn count_prompt(&mut self, n: usize) {
+        self.local.prompt_tokens += n as u64;
+    }
+
+    /// Records why the loop stopped, for `stats()["stopped"]`.
+    pub fn set_stopped(&mut self, reason: String) {
+        self.local.stopped = Some(reason);
+        self.publish_stats(None, &[]);
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

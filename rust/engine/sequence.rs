@@ -1,0 +1,64 @@
+//! Sequence: one choice of one request as it moves through the engine: its tokens, how many of
+//! them have K/V in the pool, its block table, its sampler and its output state.
+
+use std::time::Instant;
+
+use super::request::{CancelFlag, Event};
+use super::sampler::Sampler;
+use super::stop::StopStrings;
+use crate::model::tokenizer::IncrementalDecoder;
+use tokio::sync::mpsc::UnboundedSender;
+
+pub struct Sequence {
+    /// Engine-wide id of this sequence.
+    pub id: u64,
+    /// The request it belongs to, and which of its `n` choices it is.
+    pub request_id: u64,
+    pub index: usize,
+    /// Prompt followed by every token generated so far.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V is in the pool; `tokens[computed..]` is what the next steps must feed.
+    pub computed: usize,
+    /// Blocks holding positions `0..table.len() * block_size`.
+    pub table: Vec<u32>,
+    /// Prefix hashes of the full blocks of `tokens` (a chain; see `kv::prefix`).
+    pub hashes: Vec<u64>,
+    /// Blocks of `table` already registered in the prefix index (or found there).
+    pub registered: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+    /// Most tokens this sequence may hold (prompt + output): `max_tokens` or the context.
+    pub max_len: usize,
+    pub sampler: Sampler,
+    pub detok: IncrementalDecoder,
+    pub stop: StopStrings,
+    /// Token ids that end the choice: EOS (unless ignored) and `stop_token_ids`.
+    pub stop_ids: Vec<u32>,
+    pub want_logprobs: bool,
+    pub events: UnboundedSender<Event>,
+    pub cancel: CancelFlag,
+    /// For choice i > 0 of a request: the first choice's sequence, whose prompt blocks it waits
+    /// for so that it shares them instead of computing them again.
+    pub follows: Option<u64>,
+    /// Times admitted (more than once after a preemption).
+    pub admissions: u32,
+    pub arrived: Instant,
+    pub first_token_at: Option<Instant>,
+}
+
+impl Sequence {
+    /// Tokens not yet fed to the model.
+    pub fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    pub fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Whether the first forward of its prompt is still ahead (or in progress).
+    pub fn in_prefill(&self) -> bool {
+        self.tokens.len() == self.prompt_len
+    }
+}

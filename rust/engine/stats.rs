@@ -1,0 +1,116 @@
+//! EngineStats: what the engine thread publishes after every step, read by `Engine::stats`
+//! without a round trip to the thread.
+
+use std::time::Duration;
+
+/// Counts of observations at or below each bound (Prometheus-style cumulative buckets are
+/// derived on export), with their sum.
+#[derive(Clone, Debug)]
+pub struct Histogram {
+    pub bounds: &'static [f64],
+    /// `counts[i]`: observations in `(bounds[i-1], bounds[i]]`; the last slot is `> bounds[-1]`.
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn push(&mut self, v: f64) {
+        let i = self.bounds.partition_point(|&b| b < v);
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// Seconds: 1 ms .. 60 s.
+pub const LATENCY_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+#[derive(Clone, Debug)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_used: usize,
+    /// Blocks indexed in the prefix cache (held or evictable).
+    pub kv_blocks_cached: usize,
+    pub prefix_query_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    pub preemptions: u64,
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    pub finished: u64,
+    pub cancelled: u64,
+    /// Requests refused because the queue was full.
+    pub refused: u64,
+    pub steps: u64,
+    pub step_tokens: u64,
+    pub last_step_seconds: f64,
+    pub step_seconds: Histogram,
+    /// Arrival to first token, per sequence.
+    pub ttft_seconds: Histogram,
+    /// Why the engine loop stopped, once it has.
+    pub stopped: Option<String>,
+}
+
+impl Default for EngineStats {
+    fn default() -> Self {
+        EngineStats {
+            running: 0,
+            waiting: 0,
+            kv_blocks_total: 0,
+            kv_blocks_used: 0,
+            kv_blocks_cached: 0,
+            prefix_query_tokens: 0,
+            prefix_hit_tokens: 0,
+            preemptions: 0,
+            prompt_tokens: 0,
+            generated_tokens: 0,
+            finished: 0,
+            cancelled: 0,
+            refused: 0,
+            steps: 0,
+            step_tokens: 0,
+            last_step_seconds: 0.0,
+            step_seconds: Histogram::new(LATENCY_BOUNDS),
+            ttft_seconds: Histogram::new(LATENCY_BOUNDS),
+            stopped: None,
+        }
+    }
+}
+
+impl EngineStats {
+    pub fn record_step(&mut self, d: Duration, tokens: usize) {
+        let s = d.as_secs_f64();
+        self.steps += 1;
+        self.step_tokens += tokens as u64;
+        self.last_step_seconds = s;
+        self.step_seconds.push(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_upper_inclusive() {
+        let mut h = Histogram::new(&[1.0, 2.0]);
+        for v in [0.5, 1.0, 1.5, 2.0, 3.0] {
+            h.push(v);
+        }
+        assert_eq!(h.counts, vec![2, 2, 1]);
+        assert_eq!((h.count, h.sum), (5, 8.0));
+    }
+}

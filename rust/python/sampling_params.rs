@@ -1,0 +1,289 @@
+//! `SamplingParams`: keyword arguments checked one by one, so that a wrong type or range raises
+//! InvalidRequest naming the argument (never a bare TypeError from the binding layer).
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+use super::errors::to_pyerr;
+use crate::engine::request::SamplingParams;
+use crate::error::StrataError;
+
+#[pyclass(name = "SamplingParams", module = "strata_rs", frozen)]
+#[derive(Clone)]
+pub struct PySamplingParams {
+    pub inner: SamplingParams,
+}
+
+fn bad(field: &str, reason: impl Into<String>) -> PyErr {
+    to_pyerr(StrataError::invalid(field, reason))
+}
+
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
+}
+
+fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
+    if v.is_instance_of::<PyBool>()
+        || !(v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>())
+    {
+        return Err(bad(
+            field,
+            format!("must be a number, got {}", type_name(v)),
+        ));
+    }
+    let x: f64 = v.extract()?;
+    Ok(x as f32)
+}
+
+fn int(field: &str, v: &Bound<'_, PyAny>, min: i64) -> PyResult<usize> {
+    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+        return Err(bad(
+            field,
+            format!("must be an integer, got {}", type_name(v)),
+        ));
+    }
+    let x: i64 = v.extract().map_err(|_| bad(field, "is out of range"))?;
+    if x < min {
+        return Err(bad(field, format!("must be >= {min}, got {x}")));
+    }
+    usize::try_from(x).map_err(|_| bad(field, "is out of range"))
+}
+
+fn boolean(field: &str, v: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !v.is_instance_of::<PyBool>() {
+        return Err(bad(field, format!("must be a bool, got {}", type_name(v))));
+    }
+    v.extract()
+}
+
+fn strings(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    if let Ok(s) = v.cast::<PyString>() {
+        return Ok(vec![s.to_str()?.to_owned()]);
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        return v
+            .try_iter()?
+            .map(|item| {
+                let item = item?;
+                item.cast::<PyString>()
+                    .map_err(|_| {
+                        bad(
+                            field,
+                            format!(
+                                "must be a string or a list of strings, got a {} in the list",
+                                type_name(&item)
+                            ),
+                        )
+                    })
+                    .and_then(|s| Ok(s.to_str()?.to_owned()))
+            })
+            .collect();
+    }
+    Err(bad(
+        field,
+        format!(
+            "must be a string or a list of strings, got {}",
+            type_name(v)
+        ),
+    ))
+}
+
+fn token_ids(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if !(v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) {
+        return Err(bad(
+            field,
+            format!("must be a list of token ids, got {}", type_name(v)),
+        ));
+    }
+    v.try_iter()?
+        .map(|item| {
+            let id = int(field, &item?, 0)?;
+            u32::try_from(id).map_err(|_| bad(field, format!("token id {id} is not a valid id")))
+        })
+        .collect()
+}
+
+/// Applies keyword arguments to `p`, checking each; an unknown keyword is an error.
+pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyResult<()> {
+    for (k, v) in kwargs.iter() {
+        let key: String = k.extract()?;
+        let none = v.is_none();
+        match key.as_str() {
+            "max_tokens" => {
+                p.max_tokens = if none {
+                    None
+                } else {
+                    Some(int("max_tokens", &v, 1)?)
+                }
+            }
+            "temperature" => p.temperature = float("temperature", &v)?,
+            "top_k" => p.top_k = if none { 0 } else { int("top_k", &v, 0)? },
+            "top_p" => p.top_p = float("top_p", &v)?,
+            "min_p" => p.min_p = float("min_p", &v)?,
+            "repetition_penalty" => p.repetition_penalty = float("repetition_penalty", &v)?,
+            "presence_penalty" => p.presence_penalty = float("presence_penalty", &v)?,
+            "frequency_penalty" => p.frequency_penalty = float("frequency_penalty", &v)?,
+            "seed" => {
+                p.seed = if none {
+                    None
+                } else {
+                    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+                        return Err(bad(
+                            "seed",
+                            format!("must be an integer, got {}", type_name(&v)),
+                        ));
+                    }
+                    // Any Python int: negative and big seeds are folded into 64 bits.
+                    let bits: u64 = match v.extract::<i128>() {
+                        Ok(x) => x as u64,
+                        Err(_) => return Err(bad("seed", "is out of range")),
+                    };
+                    Some(bits)
+                }
+            }
+            "stop" => {
+                p.stop = if none {
+                    Vec::new()
+                } else {
+                    strings("stop", &v)?
+                }
+            }
+            "stop_token_ids" => {
+                p.stop_token_ids = if none {
+                    Vec::new()
+                } else {
+                    token_ids("stop_token_ids", &v)?
+                }
+            }
+            "ignore_eos" => p.ignore_eos = boolean("ignore_eos", &v)?,
+            "logprobs" => {
+                p.logprobs = match () {
+                    _ if none => None,
+                    // logprobs=True asks for the chosen token's logprob only (OpenAI's chat form).
+                    _ if v.is_instance_of::<PyBool>() => v.extract::<bool>()?.then_some(0),
+                    _ => Some(int("logprobs", &v, 0)?),
+                }
+            }
+            "n" => p.n = int("n", &v, 1)?,
+            "skip_special_tokens" => p.skip_special_tokens = boolean("skip_special_tokens", &v)?,
+            other => return Err(bad(other, "unknown sampling parameter")),
+        }
+    }
+    Ok(())
+}
+
+/// The parameters of a call: `params`, or keyword arguments, not both.
+pub fn resolve(
+    params: Option<&PySamplingParams>,
+    kwargs: Option<&Bound<'_, PyDict>>,
+    vocab_size: usize,
+) -> PyResult<SamplingParams> {
+    let kwargs = kwargs.filter(|k| !k.is_empty());
+    let p = match (params, kwargs) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                "params",
+                "pass either a SamplingParams or keyword arguments, not both",
+            ))
+        }
+        (Some(p), None) => p.inner.clone(),
+        (None, kw) => {
+            let mut p = SamplingParams::default();
+            if let Some(kw) = kw {
+                apply_kwargs(&mut p, kw)?;
+            }
+            p
+        }
+    };
+    p.validate(vocab_size).map_err(to_pyerr)?;
+    Ok(p)
+}
+
+#[pymethods]
+impl PySamplingParams {
+    /// Keyword arguments only: max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+    /// presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, n,
+    /// skip_special_tokens. Checked at once; InvalidRequest names the bad one.
+    #[new]
+    #[pyo3(signature = (**kwargs))]
+    fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let mut p = SamplingParams::default();
+        if let Some(kw) = kwargs {
+            apply_kwargs(&mut p, kw)?;
+        }
+        // Vocabulary-dependent checks (stop_token_ids) wait for the engine.
+        p.validate(usize::MAX).map_err(to_pyerr)?;
+        Ok(PySamplingParams { inner: p })
+    }
+
+    #[getter]
+    fn max_tokens(&self) -> Option<usize> {
+        self.inner.max_tokens
+    }
+    #[getter]
+    fn temperature(&self) -> f32 {
+        self.inner.temperature
+    }
+    #[getter]
+    fn top_k(&self) -> usize {
+        self.inner.top_k
+    }
+    #[getter]
+    fn top_p(&self) -> f32 {
+        self.inner.top_p
+    }
+    #[getter]
+    fn min_p(&self) -> f32 {
+        self.inner.min_p
+    }
+    #[getter]
+    fn repetition_penalty(&self) -> f32 {
+        self.inner.repetition_penalty
+    }
+    #[getter]
+    fn presence_penalty(&self) -> f32 {
+        self.inner.presence_penalty
+    }
+    #[getter]
+    fn frequency_penalty(&self) -> f32 {
+        self.inner.frequency_penalty
+    }
+    #[getter]
+    fn seed(&self) -> Option<u64> {
+        self.inner.seed
+    }
+    #[getter]
+    fn stop(&self) -> Vec<String> {
+        self.inner.stop.clone()
+    }
+    #[getter]
+    fn stop_token_ids(&self) -> Vec<u32> {
+        self.inner.stop_token_ids.clone()
+    }
+    #[getter]
+    fn ignore_eos(&self) -> bool {
+        self.inner.ignore_eos
+    }
+    #[getter]
+    fn logprobs(&self) -> Option<usize> {
+        self.inner.logprobs
+    }
+    #[getter]
+    fn n(&self) -> usize {
+        self.inner.n
+    }
+    #[getter]
+    fn skip_special_tokens(&self) -> bool {
+        self.inner.skip_special_tokens
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "SamplingParams(max_tokens={:?}, temperature={}, top_k={}, top_p={}, min_p={}, seed={:?}, stop={:?}, n={}, logprobs={:?})",
+            p.max_tokens, p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.stop, p.n, p.logprobs
+        )
+    }
+}

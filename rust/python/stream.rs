@@ -1,0 +1,199 @@
+//! `TokenStream`: the async iterator `Engine.generate` and `Engine.chat` return.
+//!
+//! Each `__anext__` awaits the request's channel without the GIL, then takes every delta already
+//! waiting for the same choice and merges them into one chunk, so a consumer that falls behind
+//! catches up in one step instead of paying the per-chunk cost for each token. Dropping the
+//! stream (breaking out of `async for`, a cancelled task) cancels the request: the engine frees
+//! its blocks at its next step.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::PyStopAsyncIteration;
+use pyo3::prelude::*;
+use pyo3_async_runtimes::tokio::future_into_py;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::Mutex as AsyncMutex;
+
+use super::errors::to_pyerr;
+use super::output::{chunk, ChoiceAcc};
+use crate::engine::request::{CancelFlag, Delta, Event, Usage};
+use crate::error::StrataError;
+use crate::model::tokenizer::Tokenizer;
+
+pub struct StreamState {
+    events: UnboundedReceiver<Event>,
+    /// A delta taken while merging that belongs to another choice: the next chunk starts with it.
+    held: Option<Delta>,
+    /// An error that arrived behind a delta: the next call raises it.
+    failed: Option<StrataError>,
+    /// The request's last delta (with usage) was delivered.
+    done: bool,
+}
+
+#[pyclass(name = "TokenStream", module = "strata_rs", frozen)]
+pub struct PyTokenStream {
+    state: Arc<AsyncMutex<StreamState>>,
+    cancel: CancelFlag,
+    tokenizer: Arc<Tokenizer>,
+    want_logprobs: bool,
+    request_id: u64,
+}
+
+impl PyTokenStream {
+    pub fn new(
+        events: UnboundedReceiver<Event>,
+        cancel: CancelFlag,
+        tokenizer: Arc<Tokenizer>,
+        want_logprobs: bool,
+        request_id: u64,
+    ) -> Self {
+        PyTokenStream {
+            state: Arc::new(AsyncMutex::new(StreamState::new(events))),
+            cancel,
+            tokenizer,
+            want_logprobs,
+            request_id,
+        }
+    }
+}
+
+fn closed_early() -> StrataError {
+    StrataError::EngineStopped("the engine stopped before the request finished".into())
+}
+
+/// Merges `next` into `acc` when it continues the same choice.
+fn merge(acc: &mut Delta, next: Delta) -> Option<Delta> {
+    if next.index != acc.index || acc.finish_reason.is_some() {
+        return Some(next);
+    }
+    acc.text.push_str(&next.text);
+    acc.token_ids.extend(next.token_ids);
+    acc.logprobs.extend(next.logprobs);
+    acc.finish_reason = next.finish_reason;
+    acc.usage = next.usage;
+    None
+}
+
+impl StreamState {
+    /// The next merged delta; `Ok(None)` once the request is complete.
+    async fn next_delta(&mut self) -> Result<Option<Delta>, StrataError> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut acc = match self.held.take() {
+            Some(d) => d,
+            None if self.failed.is_some() => {
+                self.done = true;
+                return Err(self.failed.take().unwrap_or_else(closed_early));
+            }
+            None => match self.events.recv().await {
+                Some(Event::Delta(d)) => d,
+                Some(Event::Error(e)) => {
+                    self.done = true;
+                    return Err(e);
+                }
+                None => {
+                    self.done = true;
+                    return Err(closed_early());
+                }
+            },
+        };
+        while acc.usage.is_none() && self.failed.is_none() {
+            match self.events.try_recv() {
+                Ok(Event::Delta(d)) => {
+                    if let Some(other) = merge(&mut acc, d) {
+                        self.held = Some(other);
+                        break;
+                    }
+                }
+                // An error after this delta surfaces on the next call.
+                Ok(Event::Error(e)) => {
+                    self.failed = Some(e);
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if acc.usage.is_some() {
+            self.done = true;
+        }
+        Ok(Some(acc))
+    }
+}
+
+/// Collects a whole request: every choice's text and the usage.
+pub async fn collect(
+    state: &mut StreamState,
+    n: usize,
+) -> Result<(Vec<ChoiceAcc>, Usage), StrataError> {
+    let mut choices: Vec<ChoiceAcc> = (0..n).map(|_| ChoiceAcc::default()).collect();
+    loop {
+        match state.next_delta().await? {
+            Some(d) => {
+                let usage = d.usage;
+                if let Some(c) = choices.get_mut(d.index) {
+                    c.add(d);
+                }
+                if let Some(u) = usage {
+                    return Ok((choices, u));
+                }
+            }
+            None => return Err(closed_early()),
+        }
+    }
+}
+
+impl StreamState {
+    pub fn new(events: UnboundedReceiver<Event>) -> Self {
+        StreamState {
+            events,
+            held: None,
+            failed: None,
+            done: false,
+        }
+    }
+}
+
+#[pymethods]
+impl PyTokenStream {
+    fn __aiter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let state = self.state.clone();
+        let tokenizer = self.tokenizer.clone();
+        let want_logprobs = self.want_logprobs;
+        future_into_py(py, async move {
+            let next = state.lock().await.next_delta().await;
+            match next {
+                Ok(Some(d)) => Python::attach(|py| chunk(py, &tokenizer, d, want_logprobs)),
+                Ok(None) => Err(PyStopAsyncIteration::new_err(())),
+                Err(e) => Err(to_pyerr(e)),
+            }
+        })
+    }
+
+    /// Stops the request; the engine frees its blocks at its next step and the stream ends with
+    /// a chunk whose finish_reason is "cancelled".
+    fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Same as `cancel()`, awaitable, for `contextlib.aclosing`.
+    fn aclose<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.cancel.cancel();
+        future_into_py(py, async { Ok(()) })
+    }
+
+    #[getter]
+    fn request_id(&self) -> u64 {
+        self.request_id
+    }
+}
+
+impl Drop for PyTokenStream {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
