@@ -113,9 +113,13 @@ impl Scheduler {
                 break;
             };
             if let Some(first) = seq.follows {
-                // Later choices wait until the first one's prompt blocks are cached.
+                // Later choices wait until the first one's full prompt blocks are cached.
+                let shareable = (seq.prompt_len - 1) / self.block_size;
                 let first_busy = self.waiting.iter().any(|s| s.id == first)
-                    || self.running.iter().any(|s| s.id == first && s.in_prefill());
+                    || self
+                        .running
+                        .iter()
+                        .any(|s| s.id == first && s.registered < shareable);
                 if first_busy {
                     break;
                 }
@@ -226,5 +230,193 @@ impl Scheduler {
         }
         let i = self.waiting.iter().position(|s| s.id == id)?;
         self.waiting.remove(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::request::{CancelFlag, SamplingParams};
+    use crate::engine::sampler::Sampler;
+    use crate::engine::stop::StopStrings;
+    use crate::kv::blocks::KvDtype;
+    use crate::model::tokenizer::IncrementalDecoder;
+    use std::time::Instant;
+
+    const BS: usize = 4;
+
+    fn seq(id: u64, tokens: Vec<u32>) -> Sequence {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let p = SamplingParams::default();
+        Sequence {
+            id,
+            request_id: id,
+            index: 0,
+            prompt_len: tokens.len(),
+            sampler: Sampler::new(&p, 0, &tokens, 100),
+            tokens,
+            computed: 0,
+            table: Vec::new(),
+            hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
+            max_len: 1000,
+            detok: IncrementalDecoder::new(true),
+            stop: StopStrings::new(Vec::new()),
+            stop_ids: Vec::new(),
+            want_logprobs: false,
+            events,
+            cancel: CancelFlag::default(),
+            follows: None,
+            admissions: 0,
+            arrived: Instant::now(),
+            first_token_at: None,
+        }
+    }
+
+    fn pool(blocks: usize) -> BlockPool {
+        BlockPool::new(1, blocks, BS, 1, 2, KvDtype::F32).unwrap()
+    }
+
+    /// Runs a step's bookkeeping without a model: feeds the plan and "samples" token 7 for every
+    /// sequence whose chunk reached its end.
+    fn fake_step(s: &mut Scheduler, kv: &mut BlockPool) -> Vec<Chunk> {
+        let plan = s.schedule(kv);
+        s.commit(&plan, kv);
+        for c in &plan {
+            let seq = s.running_mut(c.seq).unwrap();
+            if seq.computed == seq.tokens.len() {
+                seq.tokens.push(7);
+            }
+        }
+        plan
+    }
+
+    #[test]
+    fn decodes_go_first_and_prefill_is_chunked_under_the_budget() {
+        let mut kv = pool(32);
+        let mut s = Scheduler::new(4, 8, BS, 1);
+        s.waiting.push_back(seq(0, vec![1, 2, 3]));
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 3 }]);
+        // Sequence 0 decodes; a 20-token prompt arrives and gets what is left of the budget.
+        s.waiting.push_back(seq(1, (10..30).collect()));
+        assert_eq!(
+            fake_step(&mut s, &mut kv),
+            vec![Chunk { seq: 0, len: 1 }, Chunk { seq: 1, len: 7 }]
+        );
+        assert_eq!(
+            fake_step(&mut s, &mut kv),
+            vec![Chunk { seq: 0, len: 1 }, Chunk { seq: 1, len: 7 }]
+        );
+        assert_eq!(
+            fake_step(&mut s, &mut kv),
+            vec![Chunk { seq: 0, len: 1 }, Chunk { seq: 1, len: 6 }]
+        );
+        // Both decode now.
+        assert_eq!(
+            fake_step(&mut s, &mut kv),
+            vec![Chunk { seq: 0, len: 1 }, Chunk { seq: 1, len: 1 }]
+        );
+        let tables: Vec<usize> = s.running.iter().map(|q| q.table.len()).collect();
+        // 3 prompt + 4 generated = 7 tokens fed (2 blocks); 20 + 1 fed = 21 tokens (6 blocks).
+        assert_eq!(tables, vec![2, 6]);
+        assert_eq!(kv.num_used(), 8);
+    }
+
+    #[test]
+    fn block_pressure_preempts_the_newest_and_it_resumes_from_the_cache() {
+        let mut kv = pool(4);
+        let mut s = Scheduler::new(4, 64, BS, 1);
+        s.waiting.push_back(seq(0, vec![1, 2, 3, 4, 5, 6])); // 2 blocks
+        s.waiting.push_back(seq(1, vec![9, 9, 9, 9, 9])); // 2 blocks
+        let plan = fake_step(&mut s, &mut kv);
+        assert_eq!(plan.len(), 2);
+        assert_eq!(kv.num_free(), 0);
+        // Sequence 0 holds 7 tokens (6 fed): feeding the 7th still fits its 2 blocks; the 8th
+        // and 9th need a third block, which only preempting sequence 1 can free.
+        fake_step(&mut s, &mut kv);
+        fake_step(&mut s, &mut kv);
+        let plan = fake_step(&mut s, &mut kv);
+        assert_eq!(plan, vec![Chunk { seq: 0, len: 1 }]);
+        assert_eq!(s.counters.preemptions, 1);
+        assert_eq!(s.waiting.front().map(|q| q.id), Some(1));
+        let victim = s.waiting.front().unwrap();
+        assert_eq!((victim.computed, victim.table.len()), (0, 0));
+        // Its first full block stayed cached: readmission starts after it.
+        assert_eq!(kv.num_cached(), 3);
+        let done = s.running.remove(0);
+        kv.release(&done.table);
+        // It held 8 tokens (7 fed); the cached block covers 4, so 4 are fed again.
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 1, len: 4 }]);
+        assert_eq!(
+            s.running[0].cached_tokens, 0,
+            "counted at first admission only"
+        );
+        assert_eq!(s.running[0].tokens.len(), 9);
+    }
+
+    #[test]
+    fn a_cached_prefix_is_reused_and_the_last_token_is_always_fed() {
+        let mut kv = pool(16);
+        let mut s = Scheduler::new(4, 64, BS, 1);
+        let prompt: Vec<u32> = (1..=9).collect();
+        s.waiting.push_back(seq(0, prompt.clone()));
+        fake_step(&mut s, &mut kv);
+        let done = s.running.remove(0);
+        kv.release(&done.table);
+        // Same prompt: 2 full blocks cached, the 9th token is fed.
+        s.waiting.push_back(seq(1, prompt.clone()));
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 1, len: 1 }]);
+        assert_eq!(s.running[0].cached_tokens, 8);
+        let done = s.running.remove(0);
+        kv.release(&done.table);
+        // A prompt of exactly 8 tokens: only the first block may be reused.
+        s.waiting.push_back(seq(2, prompt[..8].to_vec()));
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 2, len: 4 }]);
+        assert_eq!(s.running[0].cached_tokens, 4);
+        assert_eq!(s.counters.prefix_hit_tokens, 12);
+        assert_eq!(s.counters.prefix_query_tokens, 9 + 9 + 8);
+    }
+
+    #[test]
+    fn later_choices_wait_for_the_first_ones_prompt() {
+        let mut kv = pool(16);
+        let mut s = Scheduler::new(4, 4, BS, 1);
+        s.waiting.push_back(seq(0, (1..=9).collect()));
+        let mut second = seq(1, (1..=9).collect());
+        second.follows = Some(0);
+        s.waiting.push_back(second);
+        // Budget 4: the first choice's prompt takes three steps; the second waits for it.
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 4 }]);
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 4 }]);
+        assert_eq!(
+            fake_step(&mut s, &mut kv),
+            vec![Chunk { seq: 0, len: 1 }, Chunk { seq: 1, len: 1 }]
+        );
+        assert_eq!(
+            s.running[1].cached_tokens, 8,
+            "the second choice shares the prompt's blocks"
+        );
+    }
+
+    #[test]
+    fn admission_stops_at_max_batch_and_when_blocks_run_out() {
+        let mut kv = pool(3);
+        let mut s = Scheduler::new(2, 64, BS, 1);
+        for i in 0..3 {
+            s.waiting.push_back(seq(i, vec![i as u32 + 1; 3]));
+        }
+        assert_eq!(fake_step(&mut s, &mut kv).len(), 2, "max_batch");
+        assert_eq!(s.waiting.len(), 1);
+        let mut kv = pool(1);
+        let mut s = Scheduler::new(4, 64, BS, 1);
+        s.waiting.push_back(seq(0, vec![1; 3]));
+        s.waiting.push_back(seq(1, vec![2; 3]));
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 3 }]);
+        assert_eq!(
+            s.waiting.len(),
+            1,
+            "no block for the second: it waits, nothing fails"
+        );
     }
 }
