@@ -525,3 +525,26 @@ async def test_close_ends_open_streams_with_engine_stopped(model_dir: MakeModel)
     with pytest.raises(EngineStopped):
         await engine.complete([5], max_tokens=2)
     assert engine.stats()["stopped"] == "the engine was closed"
+
+
+async def test_ids_past_the_tokenizer_vocabulary_stream_without_text(
+    model_dir: MakeModel,
+) -> None:
+    # Real models pad vocab_size past the tokenizer (Qwen2: 151936 rows, 151665 tokens); a
+    # sampled padding id must not stop the engine.
+    model = model_dir("llama", tokenizer_vocab_size=400)
+    engine = await Engine.load(model)
+    try:
+        tok = engine.tokenizer
+        assert (tok.vocab_size, engine.info["vocab_size"]) == (400, 512)
+        r = await engine.complete(
+            [5, 6, 7], max_tokens=64, temperature=5.0, seed=3, ignore_eos=True
+        )
+        past = [t for t in r.token_ids if t >= tok.vocab_size]
+        assert past, "the high temperature samples padding ids"
+        known = [t for t in r.token_ids if t < tok.vocab_size]
+        assert r.text == tok.decode(known, skip_special_tokens=True)
+        assert r.finish_reason == "length"
+        assert engine.stats()["stopped"] is None
+    finally:
+        await engine.close()

@@ -239,7 +239,12 @@ impl EngineCore {
             if seq.stop_ids.contains(&tok) {
                 finish = Some(FinishReason::Stop);
             } else {
-                let piece = seq.detok.push(&self.tokenizer, tok)?;
+                // An id past the tokenizer's vocabulary (a padded embedding row) has no text.
+                let piece = if self.tokenizer.knows(tok) {
+                    seq.detok.push(&self.tokenizer, tok)?
+                } else {
+                    String::new()
+                };
                 let (emit, stopped) = seq.stop.push(&piece);
                 text = emit;
                 if stopped {

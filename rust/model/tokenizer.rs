@@ -142,6 +142,12 @@ impl Tokenizer {
         self.decode_checked(ids, skip_special_tokens)
     }
 
+    /// Whether the tokenizer has a token for `id`. Models often have more embedding rows than
+    /// tokens (vocab_size padded to a multiple of 64 or 128), and such ids can be sampled.
+    pub fn knows(&self, id: u32) -> bool {
+        self.inner.id_to_token(id).is_some()
+    }
+
     fn check_id(&self, id: u32) -> Result<()> {
         if self.inner.id_to_token(id).is_none() {
             return Err(StrataError::invalid(

@@ -524,9 +524,12 @@ def make_model(
 
     `overrides` replace config.json fields (e.g. rope_scaling=None,
     sliding_window=8, attention_bias=True, head_dim=32); `shards=N` is not a
-    config field and splits the weights over N files plus an index.
+    config field and splits the weights over N files plus an index;
+    `tokenizer_vocab_size=N` trains the tokenizer to N tokens instead of the
+    config's vocab_size (a padded vocabulary, as in Qwen2).
     """
     shards = int(overrides.pop("shards", 1))
+    tokenizer_vocab = overrides.pop("tokenizer_vocab_size", None)
     config = build_config(family, preset, dtype, **overrides)
     out_path = pathlib.Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
@@ -544,7 +547,7 @@ def make_model(
     # The tokenizer may learn fewer tokens than the model's vocab_size; the
     # extra embedding rows are simply unused, as in many real checkpoints.
     (out_path / "tokenizer.json").write_text(
-        tokenizer_json(int(config["vocab_size"])), encoding="utf-8"
+        tokenizer_json(int(tokenizer_vocab or config["vocab_size"])), encoding="utf-8"
     )
     _write_json(
         out_path / "tokenizer_config.json",
