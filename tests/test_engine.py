@@ -23,6 +23,7 @@ from strata_rs import (
     EngineStopped,
     InvalidRequest,
     SamplingParams,
+    StrataError,
 )
 
 pytestmark = pytest.mark.anyio
@@ -548,3 +549,20 @@ async def test_ids_past_the_tokenizer_vocabulary_stream_without_text(
         assert engine.stats()["stopped"] is None
     finally:
         await engine.close()
+
+
+async def test_a_fault_in_the_engine_loop_ends_streams_and_stops_the_engine(
+    model_dir: MakeModel,
+) -> None:
+    engine = await Engine.load(model_dir("llama"))
+    stream = engine.generate([5, 6, 7], max_tokens=200, temperature=0, ignore_eos=True)
+    await stream.__anext__()
+    engine._inject_fault()
+    with pytest.raises(StrataError) as e:
+        async for _ in stream:
+            pass
+    assert str(e.value) == "engine fault: panic: injected fault"
+    assert engine.stats()["stopped"] == "engine fault: panic: injected fault"
+    with pytest.raises(EngineStopped):
+        engine.generate([5], max_tokens=2)
+    await engine.close()

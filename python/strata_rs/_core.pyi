@@ -282,7 +282,10 @@ class Engine:
     ) -> Awaitable[Completion]:
         """The whole answer at once."""
     def stats(self) -> EngineStatsDict:
-        """Counters as of the engine's last step (no round trip to the engine thread)."""
+        """Counters as of the engine's last step (no round trip to the engine thread).
+        ``stopped`` is None while the engine loop serves, else why it stopped."""
+    def _inject_fault(self) -> None:
+        """Makes the engine thread's next step panic as a bug would (tests of fault handling)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:
         """Logits of every position, ``[len(token_ids), vocab_size]`` float32."""
     def benchmark(

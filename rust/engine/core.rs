@@ -48,6 +48,8 @@ pub struct EngineCore {
     /// Deltas of the step in progress: sent after its stats are published, so that a caller
     /// who sees its request end also sees the blocks it freed.
     outbox: Vec<(UnboundedSender<Event>, Event)>,
+    /// Set by `Engine::inject_fault`: the next step panics.
+    pub inject_fault: bool,
 }
 
 impl EngineCore {
@@ -77,6 +79,7 @@ impl EngineCore {
             stats,
             entropy,
             outbox: Vec::new(),
+            inject_fault: false,
         }
     }
 
@@ -146,6 +149,9 @@ impl EngineCore {
 
     /// One engine step. Errors are internal faults; the caller ends every stream with them.
     pub fn step(&mut self) -> Result<()> {
+        if self.inject_fault {
+            panic!("injected fault");
+        }
         self.drop_cancelled();
         let plan = self.scheduler.schedule(&mut self.runner.kv);
         for seq in &self.scheduler.running {

@@ -85,11 +85,15 @@ pub struct EngineInfo {
     pub max_waiting: usize,
     pub kv_blocks: usize,
     pub block_size: usize,
+    /// Bytes of K/V one block holds (all layers).
+    pub kv_block_bytes: usize,
     pub decode_weight_bytes: usize,
 }
 
 enum Command {
     Submit(Request),
+    /// Makes the next step panic, as a bug would: tests the fault path end to end.
+    InjectFault,
     Logits {
         ids: Vec<u32>,
         reply: oneshot::Sender<Result<Vec<f32>>>,
@@ -195,6 +199,7 @@ impl Engine {
             max_waiting: opts.max_waiting,
             kv_blocks,
             block_size: BLOCK_SIZE,
+            kv_block_bytes: block_bytes,
         };
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
@@ -276,6 +281,13 @@ impl Engine {
             return Err(stopped());
         }
         Ok(Submission { id, events, cancel })
+    }
+
+    /// Makes the engine thread's next step panic, exactly as a bug would: every stream ends with
+    /// the error, `stats().stopped` says why, and later calls get EngineStopped. For tests of
+    /// what callers (the server's /health) do when the engine dies.
+    pub fn inject_fault(&self) -> Result<()> {
+        self.send(Command::InjectFault)
     }
 
     /// A snapshot of the engine's counters, as of its last step.
@@ -386,28 +398,29 @@ fn stopped() -> StrataError {
 
 /// The engine thread: takes commands and runs steps until the engine is closed or faults.
 fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
-    let stop_reason = loop {
+    let closed = || StrataError::EngineStopped("the engine was closed".into());
+    loop {
         // Block while there is nothing to run; otherwise take what arrived and step.
-        if core.is_idle() {
+        if core.is_idle() && !core.inject_fault {
             match rx.recv() {
                 Ok(cmd) => handle(&mut core, cmd),
-                Err(_) => break "the engine was closed".to_string(),
+                Err(_) => {
+                    core.set_stopped(closed().to_string());
+                    return;
+                }
             }
         }
-        let mut closed = false;
         loop {
             match rx.try_recv() {
                 Ok(cmd) => handle(&mut core, cmd),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
-                    closed = true;
-                    break;
+                    // Stopped is published before the streams hear of it.
+                    core.set_stopped(closed().to_string());
+                    core.fail_all(closed);
+                    return;
                 }
             }
-        }
-        if closed {
-            core.fail_all(|| StrataError::EngineStopped("the engine was closed".into()));
-            break "the engine was closed".to_string();
         }
         // A fault inside a step (a bug, or the OS failing us) stops the engine: every stream
         // ends with the error and later calls get EngineStopped, rather than a loop that looks
@@ -418,10 +431,10 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
             Err(panic) => panic_message(panic.as_ref()),
         };
         let msg = format!("engine fault: {fault}");
+        core.set_stopped(msg.clone());
         core.fail_all(|| StrataError::Internal(msg.clone()));
-        break msg;
-    };
-    core.set_stopped(stop_reason);
+        return;
+    }
 }
 
 fn handle(core: &mut EngineCore, cmd: Command) {
@@ -430,6 +443,7 @@ fn handle(core: &mut EngineCore, cmd: Command) {
             core.count_prompt(req.prompt.len());
             core.add_request(req);
         }
+        Command::InjectFault => core.inject_fault = true,
         Command::Logits { ids, reply } => {
             // The caller may have gone away; nothing to do then.
             let _ = reply.send(core.runner.all_logits(&ids));

@@ -303,6 +303,13 @@ impl PyEngine {
         stats_dict(py, &s)
     }
 
+    /// Makes the engine thread's next step panic as a bug would (for tests of fault handling:
+    /// open streams end with StrataError, stats()["stopped"] says why, later calls raise
+    /// EngineStopped).
+    fn _inject_fault(&self) -> PyResult<()> {
+        lock(&self.engine).inject_fault().map_err(to_pyerr)
+    }
+
     /// Logits of every position: a float32 numpy array `[len(token_ids), vocab_size]`.
     fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
         let ids = self::token_ids(token_ids)?;
@@ -423,6 +430,7 @@ impl PyEngine {
         d.set_item("max_waiting", i.max_waiting)?;
         d.set_item("kv_blocks", i.kv_blocks)?;
         d.set_item("block_size", i.block_size)?;
+        d.set_item("kv_block_bytes", i.kv_block_bytes)?;
         d.set_item("decode_weight_bytes", i.decode_weight_bytes)?;
         Ok(d)
     }
