@@ -566,3 +566,27 @@ async def test_a_fault_in_the_engine_loop_ends_streams_and_stops_the_engine(
     with pytest.raises(EngineStopped):
         engine.generate([5], max_tokens=2)
     await engine.close()
+
+
+async def test_anyio_cancel_scope_cancels_the_request(model_dir: MakeModel) -> None:
+    import anyio
+
+    engine = await Engine.load(model_dir("llama"))
+    try:
+        got: list[int] = []
+
+        async def consumer() -> None:
+            async for chunk in engine.generate([5, 6, 7], max_tokens=200, ignore_eos=True):
+                got.extend(chunk.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            with anyio.fail_after(10):
+                while len(got) < 3:
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        s = await wait_for(engine, lambda s: s["requests_cancelled"] == 1)
+        assert s["running"] == 0 and s["kv_blocks_used"] == 0
+        assert 3 <= len(got) < 200
+    finally:
+        await engine.close()

@@ -147,8 +147,9 @@ impl EngineCore {
         );
     }
 
-    /// One engine step. Errors are internal faults; the caller ends every stream with them.
-    pub fn step(&mut self) -> Result<()> {
+    /// One engine step; false when nothing could be scheduled. Errors are internal faults; the
+    /// caller ends every stream with them.
+    pub fn step(&mut self) -> Result<bool> {
         if self.inject_fault {
             panic!("injected fault");
         }
@@ -167,7 +168,7 @@ impl EngineCore {
         if plan.is_empty() {
             self.publish_stats(None, &plan);
             self.send_outbox();
-            return Ok(());
+            return Ok(self.is_idle());
         }
         let started = Instant::now();
         let rows = self.forward(&plan)?;
@@ -175,7 +176,7 @@ impl EngineCore {
         self.sample_and_emit(rows)?;
         self.publish_stats(Some(started.elapsed()), &plan);
         self.send_outbox();
-        Ok(())
+        Ok(true)
     }
 
     fn send_outbox(&mut self) {

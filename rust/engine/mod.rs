@@ -426,7 +426,21 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
         // ends with the error and later calls get EngineStopped, rather than a loop that looks
         // alive but serves nothing.
         let fault = match catch_unwind(AssertUnwindSafe(|| core.step())) {
-            Ok(Ok(())) => continue,
+            Ok(Ok(true)) => continue,
+            Ok(Ok(false)) => {
+                // Work is queued but nothing could be scheduled (it should not happen: a lone
+                // sequence always fits). Wait for a command rather than spin.
+                match rx.recv_timeout(std::time::Duration::from_millis(1)) {
+                    Ok(cmd) => handle(&mut core, cmd),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(mpsc::RecvTimeoutError::Disconnected) => {
+                        core.set_stopped(closed().to_string());
+                        core.fail_all(closed);
+                        return;
+                    }
+                }
+                continue;
+            }
             Ok(Err(e)) => e.to_string(),
             Err(panic) => panic_message(panic.as_ref()),
         };
