@@ -839,21 +839,11 @@ mod tests {
 
     fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
         SamplingParams {
-            max_tokens: None,
             temperature,
             top_k,
             top_p,
             min_p,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            seed: None,
-            stop: Vec::new(),
-            stop_token_ids: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            n: 1,
-            skip_special_tokens: true,
+            ..SamplingParams::default()
         }
     }
 
@@ -1220,20 +1210,33 @@ mod tests {
             let context =
                 format!("case {case}: n={n} t={temperature} k={top_k} p={top_p} min_p={min_p}");
 
-            let want = reference_distribution(&logits, temperature, top_k, top_p, min_p);
-            let mut sampler = Sampler::new(&params(temperature, top_k, top_p, min_p), 1, &[], n);
-            let mut weights = logits.clone();
-            let kept = sampler.prepare(&mut weights);
-            let got = kept_distribution(&sampler, &weights, kept);
-            assert_same_distribution(&got, &want, &context);
-            for _ in 0..5 {
-                let u = rng.uniform();
-                assert_eq!(
-                    sampler.pick(&weights, kept, u),
-                    reference_pick(&want, u),
-                    "u={u} {context}"
-                );
-            }
+            let p = params(temperature, top_k, top_p, min_p);
+            check_against_reference(&logits, &p, &mut rng, 5, &context);
+        }
+    }
+
+    /// The fast path keeps the reference's tokens with its probabilities, and picks what the
+    /// reference picks for `draws` random draws.
+    fn check_against_reference(
+        logits: &[f32],
+        p: &SamplingParams,
+        rng: &mut TestRng,
+        draws: usize,
+        context: &str,
+    ) {
+        let want = reference_distribution(logits, p.temperature, p.top_k, p.top_p, p.min_p);
+        let mut sampler = Sampler::new(p, 1, &[], logits.len());
+        let mut weights = logits.to_vec();
+        let kept = sampler.prepare(&mut weights);
+        let got = kept_distribution(&sampler, &weights, kept);
+        assert_same_distribution(&got, &want, context);
+        for _ in 0..draws {
+            let u = rng.uniform();
+            assert_eq!(
+                sampler.pick(&weights, kept, u),
+                reference_pick(&want, u),
+                "u={u} {context}"
+            );
         }
     }
 
@@ -1263,20 +1266,8 @@ mod tests {
                 (3000, 0.5, 0.0),
             ][case % 6];
             let context = format!("case {case}: k={top_k} p={top_p} min_p={min_p}");
-            let want = reference_distribution(&logits, 0.8, top_k, top_p, min_p);
-            let mut sampler = Sampler::new(&params(0.8, top_k, top_p, min_p), 1, &[], n);
-            let mut weights = logits.clone();
-            let kept = sampler.prepare(&mut weights);
-            let got = kept_distribution(&sampler, &weights, kept);
-            assert_same_distribution(&got, &want, &context);
-            for _ in 0..20 {
-                let u = rng.uniform();
-                assert_eq!(
-                    sampler.pick(&weights, kept, u),
-                    reference_pick(&want, u),
-                    "{context}"
-                );
-            }
+            let p = params(0.8, top_k, top_p, min_p);
+            check_against_reference(&logits, &p, &mut rng, 20, &context);
         }
     }
 
