@@ -1,4 +1,4 @@
-"""The ``strata-rs`` command: make-model, bench, info."""
+"""The ``strata-rs`` command: serve, make-model, bench, info."""
 
 from __future__ import annotations
 
@@ -57,10 +57,76 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --compare")
     b.add_argument(
+        "--http",
+        action="store_true",
+        help="also run 16 streams through the Python API and through the HTTP server on loopback, "
+        "interleaved, and compare tokens/s and TTFT",
+    )
+    b.add_argument(
         "--serving",
         action="store_true",
         help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
         "the Python stream's per-token overhead",
+    )
+
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server (without --model: the built-in demo model)",
+    )
+    s.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="Hugging Face model folder (default: a tiny random-weight demo model)",
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    s.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    s.add_argument("--max-batch", type=int, default=8, help="sequences decoding at once")
+    s.add_argument(
+        "--max-context", type=int, default=None, help="longest sequence (default: the model's)"
+    )
+    s.add_argument(
+        "--kv-memory-mib",
+        type=int,
+        default=None,
+        help="K/V pool budget (default: one max-context sequence, at most 2 GiB)",
+    )
+    s.add_argument(
+        "--max-batch-tokens", type=int, default=512, help="tokens per step (prefill chunk size)"
+    )
+    s.add_argument(
+        "--max-waiting", type=int, default=256, help="queued requests before 503 (default 256)"
+    )
+    s.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("STRATA_API_KEY"),
+        help="require `Authorization: Bearer KEY` on every endpoint but /health "
+        "(default: $STRATA_API_KEY)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model folder's name)",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 (default 4 MiB)",
+    )
+    s.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, how long in-flight requests may take to finish (default 30)",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="default info: one line per request",
     )
 
     i = sub.add_parser("info", help="show what a model folder is and how it would load")
@@ -186,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.family} {args.preset} ({args.dtype}) to {out}")
         return 0
 
+    if args.command == "serve":
+        return _serve(args)
+
     from strata_rs import StrataError
 
     try:
@@ -200,6 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print()
                 print_serving(result["serving"])
+            if args.http:
+                from strata_rs.bench.http import print_http, run_http
+
+                result["http"] = asyncio.run(
+                    run_http(str(args.model), args.device, args.threads, rounds=args.rounds)
+                )
+                print()
+                print_http(result["http"])
             if args.json is not None:
                 args.json.write_text(json.dumps(result, indent=2, default=str))
             return 0
@@ -209,6 +286,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"strata-rs: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from strata_rs.server.serve import serve
+
+    options = {
+        "device": args.device,
+        "max_batch": args.max_batch,
+        "max_context": args.max_context,
+        "kv_memory_mib": args.kv_memory_mib,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_waiting": args.max_waiting,
+        "threads": args.threads,
+    }
+    return serve(
+        args.model,
+        options,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        grace_seconds=args.grace_seconds,
+        log_level=args.log_level,
+        served_model_name=args.served_model_name,
+    )
 
 
 async def _info(args: argparse.Namespace) -> int:

@@ -1,0 +1,758 @@
+"""The Starlette app: OpenAI-compatible endpoints over one `Engine`.
+
+`create_app(engine, settings)` takes a loaded `Engine`, or an async function that loads one (the
+app then answers 503 "loading" on /health until it is ready, and owns and closes the engine).
+Mount it in your own ASGI app as any Starlette app; run its lifespan (`app.router.lifespan_context`)
+from yours so that the loader and the engine watchdog run.
+
+Streaming responses watch the connection: when the client goes away, the request's `TokenStream`
+is cancelled and the engine frees its blocks at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from strata_rs import Engine, InvalidRequest, StrataError, StreamChunk, TokenStream
+from strata_rs.server import openai
+from strata_rs.server.metrics import CONTENT_TYPE, ServerMetrics
+from strata_rs.server.openai import ApiError, ChoiceResult, GenerationRequest
+
+logger = logging.getLogger("strata_rs.server")
+
+EngineSource = Engine | Callable[[], Awaitable[Engine]]
+
+
+@dataclass
+class Settings:
+    """How the app answers. Engine options (batch, context, memory) belong to `Engine.load`."""
+
+    # The name clients send as `model` and /v1/models lists (default: the model folder's name).
+    served_model_name: str | None = None
+    # When set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
+    # Larger request bodies get 413.
+    max_body_bytes: int = 4 * 1024 * 1024
+    # Retry-After (seconds) on 503 when the queue is full or the model is loading.
+    retry_after_seconds: int = 1
+    # The model is the built-in demo (random weights): said in /v1/models and /health.
+    demo: bool = False
+    # How often the watchdog checks that the engine loop still serves.
+    watchdog_seconds: float = 0.1
+
+
+def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(body, status, headers=dict(headers or {}), media_type="application/json")
+
+
+class ServerState:
+    """What the handlers share: the engine (None while loading), the phase, the metrics."""
+
+    def __init__(self, settings: Settings, engine: Engine | None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.owns_engine = engine is None
+        self.model_name = settings.served_model_name or (
+            Path(engine.info["model_dir"]).name if engine is not None else "model"
+        )
+        self.started = int(time.time())
+        self.fatal: str | None = None
+        self.fatal_event = asyncio.Event()
+        self.draining = False
+        self.closing = False
+        self.metrics = ServerMetrics(self._snapshot)
+
+    def _snapshot(self) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+        if self.engine is None:
+            return None
+        return self.engine.stats(), self.engine.info
+
+    def set_fatal(self, reason: str) -> None:
+        if self.fatal is None:
+            self.fatal = reason
+            logger.error("fatal: %s; the server stops with a non-zero status", reason)
+        self.fatal_event.set()
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting: new requests and /health answer 503 from now on."""
+        if not self.draining:
+            self.draining = True
+            logger.info("shutting down: no new requests; in-flight requests may finish")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        if self.fatal is not None and self.engine is None:
+            return 503, {"status": "failed", "reason": self.fatal}
+        if self.engine is None:
+            return 503, {"status": "loading", "reason": "the model is loading"}
+        s = self.engine.stats()
+        if s["stopped"] is not None:
+            return 503, {"status": "stopped", "reason": s["stopped"]}
+        if self.draining:
+            return 503, {"status": "shutting_down", "reason": "the server is shutting down"}
+        return 200, {
+            "status": "ok",
+            "model": self.model_name,
+            "demo": self.settings.demo,
+            "running": s["running"],
+            "waiting": s["waiting"],
+            "kv_usage": s["kv_usage"],
+        }
+
+    def require_engine(self) -> Engine:
+        if self.draining:
+            raise openai.unavailable("the server is shutting down", "shutting_down")
+        if self.engine is None:
+            if self.fatal is not None:
+                raise openai.unavailable(self.fatal, "engine_stopped")
+            raise openai.unavailable(
+                "the model is loading", "model_loading", self.settings.retry_after_seconds
+            )
+        return self.engine
+
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(
+                401,
+                "missing API key: send it as `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(
+                401,
+                "incorrect API key",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.strata
+    return state
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(
+        413, f"the request body is over the limit of {limit} bytes", code="request_too_large"
+    )
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise openai.invalid(None, "invalid Content-Length header") from None
+        if declared > limit:
+            raise too_large
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _json_body(request: Request, state: ServerState) -> dict[str, Any]:
+    return openai.parse_json(await _read_body(request, state.settings.max_body_bytes))
+
+
+def _error(e: ApiError, state: ServerState, endpoint: str) -> Response:
+    state.metrics.http_requests.labels(endpoint, str(e.status)).inc()
+    return _json(e.body(), e.status, e.headers)
+
+
+def _log_error(endpoint: str, e: ApiError) -> None:
+    # Error messages name fields and values the server checked; they never carry prompt text.
+    logger.info("%s %d %s: %s", endpoint, e.status, e.type, e.message)
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+
+def _open_streams(engine: Engine, req: GenerationRequest, retry_after: int) -> list[TokenStream]:
+    streams: list[TokenStream] = []
+    try:
+        if req.kind == "chat":
+            assert req.messages is not None
+            streams.append(engine.chat(req.messages, **req.engine_kwargs))
+        else:
+            for prompt in req.prompts:
+                streams.append(engine.generate(prompt, **req.engine_kwargs))
+    except StrataError as e:
+        for s in streams:
+            s.cancel()
+        raise openai.engine_error(e, req.renames, retry_after) from None
+    return streams
+
+
+async def _merged(streams: Sequence[TokenStream]) -> AsyncIterator[tuple[int, StreamChunk]]:
+    """Chunks of every stream as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for chunk in streams[0]:
+            yield 0, chunk
+        return
+    queue: asyncio.Queue[tuple[int, StreamChunk | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: TokenStream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((i, chunk))
+            queue.put_nowait((i, None))
+        except StrataError as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class _Progress:
+    """One request's numbers, for its log line and the server's histograms."""
+
+    def __init__(
+        self, state: ServerState, req: GenerationRequest, endpoint: str, t0: float
+    ) -> None:
+        self.state = state
+        self.req = req
+        self.endpoint = endpoint
+        self.t0 = t0
+        self.t_first: float | None = None
+        self.t_last = t0
+        self.last_per_choice: dict[int, float] = {}
+        self.generated = 0
+        self.usages: list[Any] = []
+        self.finish: dict[int, str] = {}
+        self.outcome = ""
+
+    def tokens(self, index: int, count: int, now: float, streaming: bool) -> None:
+        m = self.state.metrics
+        if self.t_first is None:
+            self.t_first = now
+            m.ttft.observe(now - self.t0)
+        if streaming:
+            last = self.last_per_choice.get(index)
+            if last is not None:
+                m.inter_token.observe(now - last)
+                for _ in range(count - 1):
+                    m.inter_token.observe(0.0)
+            self.last_per_choice[index] = now
+        self.generated += count
+        self.t_last = now
+
+    def done(self, status: int) -> None:
+        m = self.state.metrics
+        m.http_requests.labels(self.endpoint, str(status)).inc()
+        usage = openai.sum_usage(self.usages)
+        if self.t_first is not None:
+            m.e2e.observe(self.t_last - self.t0)
+        ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
+        rate = "-"
+        if self.t_first is not None and self.generated > 1 and self.t_last > self.t_first:
+            rate = f"{(self.generated - 1) / (self.t_last - self.t_first):.1f}"
+        finish = self.outcome or ",".join(sorted(set(self.finish.values()))) or "-"
+        logger.info(
+            "%s %d %s prompt=%d cached=%d generated=%d ttft=%s tok/s=%s time=%.3fs finish=%s%s",
+            self.endpoint,
+            status,
+            self.req.request_id,
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            self.generated,
+            ttft,
+            rate,
+            time.perf_counter() - self.t0,
+            finish,
+            " stream" if self.req.stream else "",
+        )
+
+
+async def _watch_disconnect(
+    receive: Receive, streams: Sequence[TokenStream], flag: list[bool]
+) -> None:
+    """Waits for the client to go away, then cancels the request's streams."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            flag.append(True)
+            for s in streams:
+                s.cancel()
+            return
+
+
+class _EventStream(Response):
+    """The SSE answer of a streaming request. Not Starlette's StreamingResponse: this one watches
+    for the client's disconnect itself and cancels the request's streams."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, progress: _Progress, streams: list[TokenStream]) -> None:
+        super().__init__(
+            status_code=200,
+            headers={
+                "cache-control": "no-cache",
+                "x-accel-buffering": "no",
+                "x-request-id": progress.req.request_id,
+            },
+        )
+        # Response computed a Content-Length for its empty body; a stream has none.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.progress = progress
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        p = self.progress
+        req = p.req
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        gone: list[bool] = []
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, self.streams, gone))
+        writer = openai.ChunkWriter(req)
+        chunks = _merged(self.streams)
+        n = req.n
+        perf = time.perf_counter
+        try:
+            try:
+                async for i, chunk in chunks:
+                    if gone:
+                        break
+                    index = i * n + chunk.index
+                    ids = chunk.token_ids
+                    if ids:
+                        p.tokens(index, len(ids), perf(), True)
+                    finish = chunk.finish_reason
+                    if finish is not None:
+                        p.finish[index] = finish
+                    if chunk.usage is not None:
+                        p.usages.append(chunk.usage)
+                    # One event per engine chunk, even when its tokens have no text yet (a
+                    # partial UTF-8 character, a special token): the client sees progress, and
+                    # its TTFT is the engine's.
+                    if ids or finish is not None:
+                        event = writer.delta(index, chunk.text, chunk.logprobs, finish)
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
+                if gone:
+                    p.outcome = "disconnected"
+                else:
+                    tail = openai.SSE_DONE
+                    if req.include_usage:
+                        tail = writer.usage(openai.sum_usage(p.usages)) + tail
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+            except StrataError as e:
+                # The engine stopped mid-stream: the status line is gone, so the error is an
+                # event (the openai client raises it); no [DONE], the answer is incomplete.
+                err = openai.engine_error(e)
+                p.outcome = "error"
+                _log_error(p.endpoint, err)
+                event = writer.error(err)
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+        finally:
+            await chunks.aclose()
+            watcher.cancel()
+            for s in self.streams:
+                s.cancel()
+            if not p.outcome and any(f == "cancelled" for f in p.finish.values()):
+                p.outcome = "cancelled"
+            p.done(200)
+
+
+async def _collect(
+    p: _Progress, streams: list[TokenStream], receive: Receive
+) -> list[ChoiceResult]:
+    req = p.req
+    choices: dict[int, ChoiceResult] = {}
+    gone: list[bool] = []
+    watcher = asyncio.ensure_future(_watch_disconnect(receive, streams, gone))
+    chunks = _merged(streams)
+    perf = time.perf_counter
+    try:
+        async for i, chunk in chunks:
+            index = i * req.n + chunk.index
+            c = choices.get(index)
+            if c is None:
+                c = choices[index] = ChoiceResult(index)
+            ids = chunk.token_ids
+            if ids:
+                p.tokens(index, len(ids), perf(), False)
+                c.token_ids += ids
+            c.text += chunk.text
+            if chunk.logprobs:
+                c.logprobs += chunk.logprobs
+            if chunk.finish_reason is not None:
+                c.finish_reason = p.finish[index] = chunk.finish_reason
+            if chunk.usage is not None:
+                p.usages.append(chunk.usage)
+    finally:
+        await chunks.aclose()
+        watcher.cancel()
+        for s in streams:
+            s.cancel()
+    if gone:
+        p.outcome = "disconnected"
+    return [choices[k] for k in sorted(choices)]
+
+
+async def _generate(request: Request, kind: str) -> Response:
+    t0 = time.perf_counter()
+    state = _state(request)
+    endpoint = "chat.completions" if kind == "chat" else "completions"
+    try:
+        state.authorize(request)
+        engine = state.require_engine()
+        body = await _json_body(request, state)
+        parse = openai.parse_chat if kind == "chat" else openai.parse_completion
+        req = parse(body, state.model_name)
+        streams = _open_streams(engine, req, state.settings.retry_after_seconds)
+    except ApiError as e:
+        _log_error(endpoint, e)
+        return _error(e, state, endpoint)
+    progress = _Progress(state, req, endpoint, t0)
+    if req.stream:
+        return _EventStream(progress, streams)
+    try:
+        choices = await _collect(progress, streams, request.receive)
+    except StrataError as e:
+        err = openai.engine_error(e)
+        progress.outcome = "error"
+        progress.done(err.status)
+        _log_error(endpoint, err)
+        return _json(err.body(), err.status, err.headers)
+    progress.done(200)
+    body_out = openai.full_response(req, choices, openai.sum_usage(progress.usages))
+    return _json(body_out, headers={"x-request-id": req.request_id})
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+# ---- the other endpoints -----------------------------------------------------------------------
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    engine = state.engine
+    card: dict[str, Any] = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "strata-rs",
+    }
+    if engine is not None:
+        card["root"] = engine.info["model_dir"]
+        card["max_model_len"] = engine.info["max_context"]
+    if state.settings.demo:
+        card["demo"] = True
+        card["description"] = (
+            "the built-in demo model: random weights, so its output is gibberish; "
+            "start the server with --model DIR to serve a real model"
+        )
+    return card
+
+
+_Handler = Callable[[Request, ServerState], Awaitable[Response]]
+_Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def _simple(endpoint: str, auth: bool = True) -> Callable[[_Handler], _Endpoint]:
+    """Wraps a handler: authorization, ApiError -> OpenAI error body, request counting."""
+
+    def wrap(f: _Handler) -> _Endpoint:
+        async def handler(request: Request) -> Response:
+            state = _state(request)
+            try:
+                if auth:
+                    state.authorize(request)
+                response = await f(request, state)
+            except ApiError as e:
+                _log_error(endpoint, e)
+                return _error(e, state, endpoint)
+            state.metrics.http_requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+
+        return handler
+
+    return wrap
+
+
+@_simple("models")
+async def list_models(request: Request, state: ServerState) -> Response:
+    state.require_engine()
+    return _json({"object": "list", "data": [_model_card(state)]})
+
+
+@_simple("models")
+async def get_model(request: Request, state: ServerState) -> Response:
+    state.require_engine()
+    name = request.path_params["model"]
+    if name != state.model_name:
+        openai.check_model({"model": name}, state.model_name)
+    return _json(_model_card(state))
+
+
+def _check_known(body: Mapping[str, Any], known: Sequence[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise openai.invalid(key, "unrecognized request argument")
+
+
+def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise openai.invalid(name, f"must be a boolean, got {type(value).__name__}")
+    return value
+
+
+@_simple("tokenize")
+async def tokenize(request: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    body = await _json_body(request, state)
+    _check_known(
+        body,
+        (
+            "model",
+            "prompt",
+            "messages",
+            "add_special_tokens",
+            "add_generation_prompt",
+            "chat_template_kwargs",
+        ),
+    )
+    openai.check_model(body, state.model_name)
+    tok = engine.tokenizer
+    prompt = body.get("prompt")
+    messages = body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise openai.invalid(None, "send exactly one of prompt and messages")
+    try:
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise openai.invalid("prompt", f"must be a string, got {type(prompt).__name__}")
+            ids = tok.encode(
+                prompt, add_special_tokens=_bool_field(body, "add_special_tokens", True)
+            )
+        else:
+            chat = openai.parse_chat(
+                {
+                    "messages": messages,
+                    "add_generation_prompt": body.get("add_generation_prompt"),
+                    "chat_template_kwargs": body.get("chat_template_kwargs"),
+                },
+                state.model_name,
+            )
+            assert chat.messages is not None
+            rendered = tok.apply_chat_template(
+                chat.messages,
+                add_generation_prompt=chat.engine_kwargs["add_generation_prompt"],
+                **chat.engine_kwargs.get("chat_template_kwargs", {}),
+            )
+            special = _bool_field(body, "add_special_tokens", False)
+            ids = tok.encode(rendered, add_special_tokens=special)
+    except InvalidRequest as e:
+        raise openai.engine_error(e) from None
+    return _json({"count": len(ids), "max_model_len": engine.info["max_context"], "tokens": ids})
+
+
+@_simple("detokenize")
+async def detokenize(request: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    body = await _json_body(request, state)
+    _check_known(body, ("model", "tokens", "skip_special_tokens"))
+    openai.check_model(body, state.model_name)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise openai.invalid("tokens", "must be an array of token ids")
+    vocab = engine.info["vocab_size"]
+    for t in tokens:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise openai.invalid(
+                "tokens", f"must be an array of token ids, got a {type(t).__name__}"
+            )
+        if not 0 <= t < vocab:
+            raise openai.invalid("tokens", f"token id {t} is outside the vocabulary (size {vocab})")
+    tok = engine.tokenizer
+    # Ids past the tokenizer (padded embedding rows) have no text, as in a stream.
+    known = [t for t in tokens if t < tok.vocab_size]
+    skip = _bool_field(body, "skip_special_tokens", False)
+    return _json({"prompt": tok.decode(known, skip_special_tokens=skip)})
+
+
+@_simple("cache")
+async def cache(request: Request, state: ServerState) -> Response:
+    engine = state.require_engine()
+    s = engine.stats()
+    info = engine.info
+    block_bytes = info["kv_block_bytes"]
+    hits = s["prefix_hit_tokens"]
+    queries = s["prefix_query_tokens"]
+    device = {
+        "tier": "device",
+        "bytes": s["kv_blocks_cached"] * block_bytes,
+        "capacity_bytes": s["kv_blocks_total"] * block_bytes,
+        "entries": s["kv_blocks_cached"],
+        "hit_tokens": hits,
+    }
+    return _json(
+        {
+            "object": "cache",
+            "block_size": info["block_size"],
+            "entry_bytes": block_bytes,
+            "tiers": [device],
+            "hit_tokens": hits,
+            "query_tokens": queries,
+            "hit_rate": hits / queries if queries else 0.0,
+        }
+    )
+
+
+@_simple("health", auth=False)
+async def health(request: Request, state: ServerState) -> Response:
+    status, body = state.health()
+    return _json(body, status)
+
+
+@_simple("metrics")
+async def metrics(request: Request, state: ServerState) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    if status == 404:
+        message = f"no such endpoint: {request.method} {request.url.path}"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    e = ApiError(status, message, code="not_found" if status == 404 else None)
+    return _json(e.body(), status, exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # The traceback goes to the log (Starlette logs it); the client gets no internals.
+    e = ApiError(500, "internal server error (see the server log)", type="server_error")
+    return _json(e.body(), 500)
+
+
+# ---- the app -----------------------------------------------------------------------------------
+
+
+async def _load(state: ServerState, loader: Callable[[], Awaitable[Engine]]) -> None:
+    t0 = time.perf_counter()
+    try:
+        engine = await loader()
+    except (StrataError, OSError) as e:
+        state.set_fatal(f"the model failed to load: {type(e).__name__}: {e}")
+        return
+    state.engine = engine
+    if state.settings.served_model_name is None:
+        state.model_name = Path(engine.info["model_dir"]).name
+    info = engine.info
+    logger.info(
+        "model loaded in %.2fs: %s (%s, %s, %d layers), context %d, %d K/V blocks of %d tokens, "
+        "max batch %d, %d threads on %s",
+        time.perf_counter() - t0,
+        state.model_name,
+        info["model_type"],
+        info["dtype"],
+        info["num_layers"],
+        info["max_context"],
+        info["kv_blocks"],
+        info["block_size"],
+        info["max_batch"],
+        info["threads"],
+        info["device"],
+    )
+
+
+async def _watchdog(state: ServerState) -> None:
+    """Sees the engine loop stop (a fault, a close by someone else) and makes it fatal."""
+    while True:
+        await asyncio.sleep(state.settings.watchdog_seconds)
+        engine = state.engine
+        if engine is None or state.closing:
+            continue
+        stopped = engine.stats()["stopped"]
+        if stopped is not None:
+            state.set_fatal(f"the engine loop stopped: {stopped}")
+            return
+
+
+def create_app(engine: EngineSource, settings: Settings | None = None) -> Starlette:
+    """The OpenAI-compatible app over `engine` (an `Engine`, or an async function returning one,
+    which the app's lifespan calls, then closes the engine at shutdown)."""
+    settings = settings or Settings()
+    loader = None if isinstance(engine, Engine) else engine
+    state = ServerState(settings, engine if isinstance(engine, Engine) else None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        tasks = [asyncio.ensure_future(_watchdog(state))]
+        if loader is not None:
+            tasks.append(asyncio.ensure_future(_load(state, loader)))
+        try:
+            yield
+        finally:
+            state.closing = True
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if state.owns_engine and state.engine is not None:
+                await state.engine.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/cache", cache, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.strata = state
+    return app

@@ -1,0 +1,170 @@
+"""Prometheus exposition: a collector that reads ``engine.stats()`` at scrape time, plus the
+server's own histograms (time to first token and inter-token latency as the HTTP client sees them,
+end-to-end latency) and a request counter.
+
+Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and DESIGN.md's for the
+cache. Every registry is per app, so two apps in one process never share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+def _histogram(name: str, doc: str, h: Mapping[str, Any]) -> HistogramMetricFamily:
+    """The engine's histogram (per-bucket counts, the last above every bound) as Prometheus'
+    cumulative buckets."""
+    buckets = []
+    total = 0
+    for bound, count in zip(h["bounds"], h["counts"], strict=False):
+        total += count
+        buckets.append((repr(float(bound)), total))
+    buckets.append(("+Inf", h["count"]))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+
+
+class EngineCollector(Collector):
+    """Reads one ``stats()`` snapshot per scrape. `source` returns (stats, info), or None while the
+    model loads (then only ``strata:engine_up 0`` is exposed)."""
+
+    def __init__(
+        self, source: Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]] | None]
+    ) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        got = self._source()
+        up = GaugeMetricFamily(
+            "strata:engine_up", "1 while the engine loop serves, else 0 (loading or stopped)"
+        )
+        if got is None:
+            up.add_metric([], 0)
+            yield up
+            return
+        s, info = got
+        up.add_metric([], 1 if s["stopped"] is None else 0)
+        yield up
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge(
+            "strata:num_requests_running", "Sequences admitted (prefill or decode)", s["running"]
+        )
+        yield gauge("strata:num_requests_waiting", "Sequences waiting for admission", s["waiting"])
+        yield gauge(
+            "strata:kv_cache_usage_perc",
+            "Fraction of K/V blocks held by sequences (0-1)",
+            s["kv_usage"],
+        )
+        yield gauge("strata:kv_blocks_total", "K/V blocks in the device pool", s["kv_blocks_total"])
+        yield gauge("strata:kv_blocks_used", "K/V blocks held by sequences", s["kv_blocks_used"])
+        yield gauge(
+            "strata:kv_blocks_cached",
+            "K/V blocks indexed in the prefix cache (held or evictable)",
+            s["kv_blocks_cached"],
+        )
+        cache_bytes = GaugeMetricFamily(
+            "strata:cache_bytes", "Bytes of cached K/V per tier", labels=["tier"]
+        )
+        cache_bytes.add_metric(["device"], s["kv_blocks_cached"] * info["kv_block_bytes"])
+        yield cache_bytes
+        yield counter(
+            "strata:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            s["prefix_query_tokens"],
+        )
+        hits = CounterMetricFamily(
+            "strata:prefix_cache_hits",
+            "Prompt tokens whose K/V came from the cache, per tier",
+            labels=["tier"],
+        )
+        hits.add_metric(["device"], s["prefix_hit_tokens"])
+        yield hits
+        yield counter(
+            "strata:prompt_tokens", "Prompt tokens of admitted requests", s["prompt_tokens"]
+        )
+        yield counter("strata:generation_tokens", "Generated tokens", s["generated_tokens"])
+        yield counter(
+            "strata:requests_finished",
+            "Requests that ended (stop or length)",
+            s["requests_finished"],
+        )
+        yield counter(
+            "strata:requests_cancelled",
+            "Requests cancelled (client gone, stream dropped)",
+            s["requests_cancelled"],
+        )
+        refusals = CounterMetricFamily(
+            "strata:admission_refusals", "Requests refused at admission, per gate", labels=["gate"]
+        )
+        refusals.add_metric(["queue"], s["requests_refused"])
+        yield refusals
+        yield counter(
+            "strata:num_preemptions", "Sequences preempted under K/V pressure", s["preemptions"]
+        )
+        yield counter("strata:engine_steps", "Engine steps run", s["steps"])
+        yield _histogram(
+            "strata:engine_step_seconds", "Duration of one engine step", s["step_seconds"]
+        )
+        yield _histogram(
+            "strata:engine_time_to_first_token_seconds",
+            "From the request's arrival at the engine to its first token",
+            s["ttft_seconds"],
+        )
+
+
+class ServerMetrics:
+    """The app's registry: the engine collector and the server's own measurements."""
+
+    def __init__(
+        self, source: Callable[[], tuple[Mapping[str, Any], Mapping[str, Any]] | None]
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(source))
+        self.ttft = Histogram(
+            "strata:time_to_first_token_seconds",
+            "From the HTTP request's arrival to its first token sent",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token = Histogram(
+            "strata:inter_token_latency_seconds",
+            "Time between tokens sent to a streaming client",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "strata:e2e_request_latency_seconds",
+            "From the HTTP request's arrival to its last token",
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.http_requests = Counter(
+            "strata:http_requests",
+            "HTTP requests answered, by endpoint and status",
+            labelnames=["endpoint", "status"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

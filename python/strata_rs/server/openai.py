@@ -1,0 +1,562 @@
+"""The OpenAI wire format: request validation, response bodies, SSE chunks and error bodies.
+
+Nothing here touches the network or the engine's state: `parse_chat` / `parse_completion` turn a
+JSON body into a `GenerationRequest` (or raise `ApiError`), `engine_error` maps an engine
+exception to an `ApiError`, and the `*_response` / `*_chunk` functions build the JSON that goes
+back. The engine validates every sampling parameter itself (type, range) and names the field; this
+module checks what the engine never sees (model, stream, stream_options, logprobs flags, prompt and
+message shapes, unknown fields) and renames the engine's field names back to the OpenAI ones the
+client sent (max_completion_tokens, top_logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from strata_rs import (
+    ContextOverflow,
+    EngineBusy,
+    EngineStopped,
+    InvalidRequest,
+    StrataError,
+    Usage,
+)
+
+# Sampling fields passed to the engine under the same name; the engine checks type and range.
+_ENGINE_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "n",
+    # Extensions (as vLLM's): pass them with the openai client's `extra_body`.
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+)
+# Accepted and ignored: they do not change the output.
+_IGNORED = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+)
+# OpenAI fields this server does not implement, with the values that mean "not used".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+}
+_COMMON = ("model", "max_tokens", "stream", "stream_options", "logprobs", *_ENGINE_FIELDS)
+_CHAT_FIELDS = frozenset(
+    (
+        *_COMMON,
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+    )
+)
+_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
+
+# OpenAI's default for /v1/completions; chat has no default (until EOS or the context's end).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def invalid(param: str | None, reason: str, code: str | None = None) -> ApiError:
+    """A 400 whose message starts with the field's name, as the engine's do."""
+    message = f"{param}: {reason}" if param else reason
+    return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, code: str, retry_after: int | None = None) -> ApiError:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return ApiError(503, message, type="server_error", code=code, headers=headers)
+
+
+def engine_error(
+    e: StrataError, renames: Mapping[str, str] | None = None, retry_after: int = 1
+) -> ApiError:
+    """Maps an engine exception to its HTTP answer. `renames` maps the engine's field names to the
+    ones the client used (max_tokens -> max_completion_tokens)."""
+    message = str(e)
+    if isinstance(e, InvalidRequest):
+        param, sep, rest = message.partition(": ")
+        if not sep or " " in param:
+            param = None
+        elif renames and param.split("[")[0] in renames:
+            head = param.split("[")[0]
+            param = renames[head] + param[len(head) :]
+            message = f"{param}: {rest}"
+        code = "context_length_exceeded" if isinstance(e, ContextOverflow) else None
+        return ApiError(400, message, param=param, code=code)
+    if isinstance(e, EngineBusy):
+        return unavailable(message, "engine_busy", retry_after)
+    if isinstance(e, EngineStopped):
+        return unavailable(message, "engine_stopped")
+    # A fault in the engine loop: the engine is gone; the process is about to exit.
+    return unavailable(message, "engine_stopped")
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise invalid(None, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return {
+        type(None): "null",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(value), type(value).__name__)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(name, f"must be a boolean, got {_type_name(value)}")
+    return value
+
+
+def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
+    for key, value in body.items():
+        if key in known or key in _IGNORED:
+            continue
+        if key in _UNSUPPORTED:
+            if any(value == ok and type(value) is type(ok) for ok in _UNSUPPORTED[key]):
+                continue
+            raise invalid(key, "not supported by this server")
+        raise invalid(key, "unrecognized request argument")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid("user", f"must be a string, got {_type_name(user)}")
+
+
+def check_model(body: Mapping[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise invalid("model", f"must be a string, got {_type_name(model)}")
+    if model != served:
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist; this server serves `{served}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+@dataclass
+class GenerationRequest:
+    """A validated request: what to send to the engine and how to answer."""
+
+    kind: Literal["chat", "completion"]
+    request_id: str
+    model: str
+    created: int
+    stream: bool
+    include_usage: bool
+    # chat: the messages; completion: one prompt per entry (str or token ids).
+    messages: list[dict[str, Any]] | None = None
+    prompts: list[str | list[int]] = field(default_factory=list)
+    # Keyword arguments of Engine.generate / Engine.chat.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # chat: logprobs=true; completion: logprobs=k. None: no logprobs in the answer.
+    logprobs: int | None = None
+    n: int = 1
+    # Engine field name -> the name the client used, for error messages.
+    renames: dict[str, str] = field(default_factory=dict)
+
+
+def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationRequest:
+    check_model(body, served)
+    stream = _bool(body, "stream", False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise invalid("stream_options", "only allowed when stream is true")
+        if not isinstance(options, dict):
+            raise invalid("stream_options", f"must be an object, got {_type_name(options)}")
+        include_usage = _bool(options, "include_usage", False)
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    req = GenerationRequest(
+        kind="chat" if kind == "chat" else "completion",
+        request_id=f"{prefix}-{secrets.token_hex(12)}",
+        model=served,
+        created=int(time.time()),
+        stream=stream,
+        include_usage=include_usage,
+    )
+    kwargs = req.engine_kwargs
+    for name in _ENGINE_FIELDS:
+        value = body.get(name)
+        if value is not None:
+            kwargs[name] = value
+    n = kwargs.get("n", 1)
+    req.n = n if isinstance(n, int) and not isinstance(n, bool) else 1
+    return req
+
+
+def _flatten_content(i: int, content: Any) -> Any:
+    """A list of text parts becomes one string (parts joined by newlines), so that every chat
+    template, even one that only knows strings, can render it."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise invalid(where, f"must be an object, got {_type_name(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            raise invalid(f"{where}.type", f"only text parts are supported, got {kind!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", f"must be a string, got {_type_name(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
+    _check_fields(body, _CHAT_FIELDS)
+    req = _common(body, "chat", served)
+    messages = body.get("messages")
+    if messages is None:
+        raise invalid("messages", "required")
+    if not isinstance(messages, list):
+        raise invalid("messages", f"must be an array of messages, got {_type_name(messages)}")
+    if not messages:
+        raise invalid("messages", "must not be empty")
+    flat: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": _flatten_content(i, m["content"])}
+        flat.append(m)
+    req.messages = flat  # the engine checks roles and content types
+    req.renames["prompt"] = "messages"  # the engine's prompt is the rendered messages
+
+    kwargs = req.engine_kwargs
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is not None:
+        req.renames["max_tokens"] = "max_completion_tokens"
+    else:
+        max_tokens = body.get("max_tokens")
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
+
+    logprobs = _bool(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool):
+            raise invalid("top_logprobs", f"must be an integer, got {_type_name(top)}")
+        if not 0 <= top <= 20:
+            raise invalid("top_logprobs", f"must be in [0, 20], got {top}")
+        if not logprobs:
+            raise invalid("top_logprobs", "requires logprobs to be true")
+    if logprobs:
+        kwargs["logprobs"] = top or 0
+        req.logprobs = top or 0
+        req.renames["logprobs"] = "top_logprobs"
+
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict):
+            raise invalid(
+                "chat_template_kwargs", f"must be an object, got {_type_name(template_kwargs)}"
+            )
+        kwargs["chat_template_kwargs"] = template_kwargs
+    kwargs["add_generation_prompt"] = _bool(body, "add_generation_prompt", True)
+    return req
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
+    _check_fields(body, _COMPLETION_FIELDS)
+    req = _common(body, "completion", served)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise invalid("prompt", "required")
+    shape = "must be a string, an array of token ids, or an array of either"
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        req.prompts = [prompt]
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise invalid("prompt", "must not be empty")
+        for i, p in enumerate(prompt):
+            if not (isinstance(p, str) or _is_ids(p)):
+                raise invalid(f"prompt[{i}]", f"{shape}, got {_type_name(p)}")
+        req.prompts = list(prompt)
+    else:
+        raise invalid("prompt", f"{shape}, got {_type_name(prompt)}")
+
+    kwargs = req.engine_kwargs
+    max_tokens = body.get("max_tokens")
+    kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool):
+            raise invalid("logprobs", f"must be an integer, got {_type_name(logprobs)}")
+        if not 0 <= logprobs <= 20:
+            raise invalid("logprobs", f"must be in [0, 20], got {logprobs}")
+        kwargs["logprobs"] = logprobs
+        req.logprobs = logprobs
+    return req
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sum_usage(usages: Sequence[Usage | None]) -> dict[str, Any]:
+    got = [u for u in usages if u is not None]
+    return usage_body(
+        sum(u.prompt_tokens for u in got),
+        sum(u.completion_tokens for u in got),
+        sum(u.cached_tokens for u in got),
+    )
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def _lp(x: float) -> float:
+    """JSON has no -inf: an impossible token gets -9999.0, as vLLM reports it."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def chat_logprobs(entries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": _lp(e["logprob"]),
+                "bytes": _bytes(e["token"]),
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": _lp(t["logprob"]), "bytes": _bytes(t["token"])}
+                    for t in e["top_logprobs"]
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: Sequence[Mapping[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions shape; text_offset counts characters of the token strings from
+    `offset` (where this chunk starts in the choice's text)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [_lp(e["logprob"]) for e in entries],
+        "top_logprobs": [
+            {t["token"]: _lp(t["logprob"]) for t in e["top_logprobs"]} for e in entries
+        ],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def full_response(
+    req: GenerationRequest, choices: Sequence[ChoiceResult], usage: dict[str, Any]
+) -> dict[str, Any]:
+    if req.kind == "chat":
+        body_choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        obj = "chat.completion"
+    else:
+        body_choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        obj = "text_completion"
+    return {
+        "id": req.request_id,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "choices": body_choices,
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChunkWriter:
+    """Builds the SSE events of one streaming response."""
+
+    def __init__(self, req: GenerationRequest) -> None:
+        self.req = req
+        chat = req.kind == "chat"
+        self._head = {
+            "id": req.request_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": req.created,
+            "model": req.model,
+        }
+        self._role_sent: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        obj: dict[str, Any] = {**self._head, "choices": choices}
+        if self.req.include_usage:
+            obj["usage"] = usage
+        return sse(obj)
+
+    def delta(
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[Mapping[str, Any]] | None,
+        finish_reason: str | None,
+    ) -> bytes:
+        want_logprobs = self.req.logprobs is not None and logprobs is not None
+        if self.req.kind == "chat":
+            delta: dict[str, Any] = {}
+            if index not in self._role_sent:
+                self._role_sent.add(index)
+                delta["role"] = "assistant"
+            if text or finish_reason is None:
+                delta["content"] = text
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": chat_logprobs(logprobs) if want_logprobs and logprobs else None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            offset = self._offsets.get(index, 0)
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": (
+                    completion_logprobs(logprobs, offset) if want_logprobs and logprobs else None
+                ),
+                "finish_reason": finish_reason,
+            }
+            self._offsets[index] = offset + sum(len(e["token"]) for e in logprobs or ())
+        return self._event([choice])
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return self._event([], usage)
+
+    @staticmethod
+    def error(e: ApiError) -> bytes:
+        return sse(e.body())

@@ -1,0 +1,1001 @@
+"""The HTTP server in-process: httpx against the ASGI app, and against a real uvicorn on loopback
+(in this process, so that the test can read the engine's stats) for what needs a real socket
+(client disconnects, an engine fault mid-stream).
+
+Outputs are compared with the Python API's greedy output for the same request on a separate
+engine; error bodies are compared whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from strata_rs import Completion, Engine
+from strata_rs.server import Settings, create_app
+from strata_rs.server.serve import bind
+
+pytestmark = pytest.mark.anyio
+
+MakeModel = Callable[..., Path]
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(
+    engine: Any, settings: Settings | None = None
+) -> AsyncIterator[httpx.AsyncClient]:
+    """httpx on the ASGI app, with the app's lifespan running (loader, watchdog)."""
+    app = create_app(engine, settings or Settings(served_model_name="tiny"))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            client.app = app  # type: ignore[attr-defined]
+            yield client
+
+
+@contextlib.asynccontextmanager
+async def real_server(engine: Engine, settings: Settings | None = None) -> AsyncIterator[str]:
+    """The app under a real uvicorn on 127.0.0.1 (any free port), in this event loop."""
+    app = create_app(engine, settings or Settings(served_model_name="tiny"))
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def events(body: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded ([DONE] kept as the string)."""
+    out: list[Any] = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def wait_for(
+    engine: Engine, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0
+) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        s = engine.stats()
+        if pred(s):
+            return dict(s)
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"stats never matched: {s}")
+        await asyncio.sleep(0.005)
+
+
+async def reference(model: Path, prompt: Any, chat: bool = False, **params: Any) -> Completion:
+    """The Python API's answer on a fresh engine (so the server's engine starts cold)."""
+    engine = await Engine.load(model, max_batch=1)
+    try:
+        if chat:
+            tok = engine.tokenizer
+            prompt = tok.encode(tok.apply_chat_template(prompt), add_special_tokens=False)
+        return await engine.complete(prompt, **params)
+    finally:
+        await engine.close()
+
+
+def cached_for(prompt_tokens: int) -> int:
+    """Tokens a repeated prompt finds cached: its full 16-token blocks, the last token excluded."""
+    return (prompt_tokens - 1) // 16 * 16
+
+
+MESSAGES = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "Tell me about the quick brown fox and the lazy dog."},
+]
+
+
+async def test_chat_equals_the_python_api_greedy_output(model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    ref = await reference(model, MESSAGES, chat=True, max_tokens=12, temperature=0, ignore_eos=True)
+    engine = await Engine.load(model)
+    try:
+        async with asgi_client(engine) as client:
+            body = {
+                "model": "tiny",
+                "messages": MESSAGES,
+                "max_tokens": 12,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post(CHAT, json=body)
+            assert r.status_code == 200
+            got = r.json()
+            assert got["id"].startswith("chatcmpl-") and r.headers["x-request-id"] == got["id"]
+            assert got["object"] == "chat.completion"
+            assert got["model"] == "tiny"
+            prompt = ref.usage.prompt_tokens
+            assert prompt > 32
+            assert got["choices"] == [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": ref.text},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+            ]
+            assert got["usage"] == {
+                "prompt_tokens": prompt,
+                "completion_tokens": 12,
+                "total_tokens": prompt + 12,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
+            # The same conversation again: its prompt's full blocks come from the cache, and
+            # max_completion_tokens is the newer name of max_tokens.
+            del body["max_tokens"]
+            body["max_completion_tokens"] = 12
+            again = (await client.post(CHAT, json=body)).json()
+            assert again["choices"][0]["message"]["content"] == ref.text
+            assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": cached_for(prompt)}
+
+            # Streaming, usage in the last chunk.
+            r = await client.post(
+                CHAT,
+                json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            )
+            assert r.status_code == 200
+            assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+            assert "content-length" not in r.headers
+            ev = events(r.text)
+            assert ev[-1] == "[DONE]"
+            chunks = ev[:-1]
+            assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+            assert len({c["id"] for c in chunks}) == 1
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
+            content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+            assert content == ref.text
+            assert [c["choices"][0]["finish_reason"] for c in chunks[:-2]] == [None] * (
+                len(chunks) - 2
+            )
+            assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+            assert all(c["usage"] is None for c in chunks[:-1])
+            assert chunks[-1]["choices"] == []
+            assert chunks[-1]["usage"] == {
+                "prompt_tokens": prompt,
+                "completion_tokens": 12,
+                "total_tokens": prompt + 12,
+                "prompt_tokens_details": {"cached_tokens": cached_for(prompt)},
+            }
+            # Without include_usage, no chunk carries a usage field.
+            ev = events((await client.post(CHAT, json={**body, "stream": True})).text)
+            assert all("usage" not in c for c in ev[:-1])
+            # A list of text parts is the same message as their text joined by newlines.
+            parts = [
+                MESSAGES[0],
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Tell me about the quick brown fox"},
+                        {"type": "text", "text": "and the lazy dog."},
+                    ],
+                },
+            ]
+            joined = [MESSAGES[0], {"role": "user", "content": MESSAGES[1]["content"]}]
+            joined[1]["content"] = "Tell me about the quick brown fox\nand the lazy dog."
+            a = (await client.post(CHAT, json={**body, "messages": parts})).json()
+            b = (await client.post(CHAT, json={**body, "messages": joined})).json()
+            assert a["choices"] == b["choices"]
+            assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    finally:
+        await engine.close()
+
+
+async def test_completions_equal_the_python_api_greedy_output(model_dir: MakeModel) -> None:
+    model = model_dir("qwen2")
+    ids = [7 + (i * 37) % 500 for i in range(40)]
+    text_ref = await reference(model, "hello world", max_tokens=16, temperature=0, ignore_eos=True)
+    ids_ref = await reference(model, ids, max_tokens=9, temperature=0, ignore_eos=True)
+    engine = await Engine.load(model)
+    try:
+        async with asgi_client(engine) as client:
+            # max_tokens defaults to 16, as OpenAI's.
+            body = {"model": "tiny", "prompt": "hello world", "temperature": 0, "ignore_eos": True}
+            got = (await client.post(COMPLETIONS, json=body)).json()
+            assert got["object"] == "text_completion" and got["id"].startswith("cmpl-")
+            assert got["choices"] == [
+                {"index": 0, "text": text_ref.text, "logprobs": None, "finish_reason": "length"}
+            ]
+            assert got["usage"]["completion_tokens"] == 16
+            assert got["usage"]["prompt_tokens"] == text_ref.usage.prompt_tokens
+
+            body = {"prompt": ids, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+            got = (await client.post(COMPLETIONS, json=body)).json()
+            assert got["choices"][0]["text"] == ids_ref.text
+            assert got["usage"] == {
+                "prompt_tokens": 40,
+                "completion_tokens": 9,
+                "total_tokens": 49,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }
+            ev = events((await client.post(COMPLETIONS, json={**body, "stream": True})).text)
+            assert ev[-1] == "[DONE]"
+            assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == ids_ref.text
+            assert ev[-2]["choices"][0]["finish_reason"] == "length"
+            assert all(c["object"] == "text_completion" for c in ev[:-1])
+    finally:
+        await engine.close()
+
+
+async def test_n_choices_prompt_batches_seeds_and_stop(model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    p1 = [11 + (i * 13) % 400 for i in range(20)]
+    p2 = [17 + (i * 29) % 400 for i in range(25)]
+    sampled = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 7, "ignore_eos": True}
+    ref1 = await reference(model, p1, n=2, max_tokens=8, **sampled)
+    ref2 = await reference(model, p2, n=2, max_tokens=8, **sampled)
+    greedy = await reference(model, p1, max_tokens=30, temperature=0, ignore_eos=True)
+    stop = greedy.text[10:12]
+    cut = await reference(model, p1, max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop" and len(cut.text) < len(greedy.text)
+    engine = await Engine.load(model)
+    try:
+        async with asgi_client(engine) as client:
+            body = {"prompt": [p1, p2], "n": 2, "max_tokens": 8, **sampled}
+            got = (await client.post(COMPLETIONS, json=body)).json()
+            # Choice index = prompt index * n + choice.
+            expected = [c.text for c in ref1.choices] + [c.text for c in ref2.choices]
+            assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+            assert [c["text"] for c in got["choices"]] == expected
+            assert got["usage"]["completion_tokens"] == 32
+            assert got["usage"]["prompt_tokens"] == 45
+            ev = events((await client.post(COMPLETIONS, json={**body, "stream": True})).text)
+            texts = ["", "", "", ""]
+            finishes: list[str | None] = [None] * 4
+            for c in ev[:-1]:
+                (choice,) = c["choices"]
+                texts[choice["index"]] += choice["text"]
+                finishes[choice["index"]] = choice["finish_reason"] or finishes[choice["index"]]
+            assert texts == expected
+            assert finishes == ["length"] * 4
+
+            r = await client.post(
+                CHAT,
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "n": 3,
+                    "max_tokens": 5,
+                    **sampled,
+                },
+            )
+            assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+
+            body = {"prompt": p1, "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+            got = (await client.post(COMPLETIONS, json={**body, "stop": stop})).json()
+            assert got["choices"][0]["text"] == cut.text
+            assert got["choices"][0]["finish_reason"] == "stop"
+    finally:
+        await engine.close()
+
+
+async def test_logprobs_in_both_shapes(model_dir: MakeModel) -> None:
+    model = model_dir("qwen3")
+    ids = [30 + i for i in range(12)]
+    ref = await reference(model, ids, max_tokens=4, temperature=0, logprobs=3, ignore_eos=True)
+    chat_ref = await reference(
+        model, MESSAGES, chat=True, max_tokens=3, temperature=0, logprobs=2, ignore_eos=True
+    )
+    engine = await Engine.load(model)
+    try:
+        async with asgi_client(engine) as client:
+            body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            got = (await client.post(COMPLETIONS, json={**body, "logprobs": 3})).json()
+            lp = got["choices"][0]["logprobs"]
+            assert ref.logprobs is not None
+            assert lp["tokens"] == [e["token"] for e in ref.logprobs]
+            assert lp["token_logprobs"] == [e["logprob"] for e in ref.logprobs]
+            assert lp["top_logprobs"] == [
+                {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in ref.logprobs
+            ]
+            offsets = [0]
+            for e in ref.logprobs[:-1]:
+                offsets.append(offsets[-1] + len(e["token"]))
+            assert lp["text_offset"] == offsets
+
+            body = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+            got = (
+                await client.post(CHAT, json={**body, "logprobs": True, "top_logprobs": 2})
+            ).json()
+            assert chat_ref.logprobs is not None
+            assert got["choices"][0]["logprobs"] == {
+                "content": [
+                    {
+                        "token": e["token"],
+                        "logprob": e["logprob"],
+                        "bytes": list(e["token"].encode()),
+                        "top_logprobs": [
+                            {
+                                "token": t["token"],
+                                "logprob": t["logprob"],
+                                "bytes": list(t["token"].encode()),
+                            }
+                            for t in e["top_logprobs"]
+                        ],
+                    }
+                    for e in chat_ref.logprobs
+                ]
+            }
+            ev = events(
+                (
+                    await client.post(
+                        CHAT, json={**body, "logprobs": True, "top_logprobs": 2, "stream": True}
+                    )
+                ).text
+            )
+            streamed = [
+                e for c in ev[:-1] for e in (c["choices"][0]["logprobs"] or {}).get("content", [])
+            ]
+            whole = got["choices"][0]["logprobs"]["content"]
+            # The streamed request found the prompt cached: same tokens, logprobs equal to f32
+            # rounding (a cached prefix's K/V was computed in a different chunking).
+            assert [e["token"] for e in streamed] == [e["token"] for e in whole]
+            for a, b in zip(streamed, whole, strict=True):
+                assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+                assert [t["token"] for t in a["top_logprobs"]] == [
+                    t["token"] for t in b["top_logprobs"]
+                ]
+            # logprobs=true alone: each token's logprob, no alternatives.
+            got = (await client.post(CHAT, json={**body, "logprobs": True})).json()
+            assert [e["top_logprobs"] for e in got["choices"][0]["logprobs"]["content"]] == [[]] * 3
+    finally:
+        await engine.close()
+
+
+def _err(message: str, param: str | None, code: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+MSG = [{"role": "user", "content": "hi"}]
+# (path, body, expected message, param, code): each answered 400.
+INVALID: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
+    (CHAT, {}, "messages: required", "messages", None),
+    (CHAT, {"messages": []}, "messages: must not be empty", "messages", None),
+    (
+        CHAT,
+        {"messages": "hi"},
+        "messages: must be an array of messages, got string",
+        "messages",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        'messages[0].role: unknown role "wizard" (expected one of system, developer, user, '
+        "assistant, tool)",
+        "messages[0].role",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        "messages[0].content: must be a string or a list of content parts",
+        "messages[0].content",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type: only text parts are supported, got 'image_url'",
+        "messages[0].content[0].type",
+        None,
+    ),
+    (CHAT, {"messages": MSG, "model": 3}, "model: must be a string, got integer", "model", None),
+    (
+        CHAT,
+        {"messages": MSG, "temperature": "hot"},
+        "temperature: must be a number, got str",
+        "temperature",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "temperature": -1},
+        "temperature: must be >= 0, got -1",
+        "temperature",
+        None,
+    ),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p", None),
+    (CHAT, {"messages": MSG, "top_k": -3}, "top_k: must be >= 0, got -3", "top_k", None),
+    (CHAT, {"messages": MSG, "min_p": 2}, "min_p: must be in [0, 1], got 2", "min_p", None),
+    (
+        CHAT,
+        {"messages": MSG, "presence_penalty": 5},
+        "presence_penalty: must be in [-2, 2], got 5",
+        "presence_penalty",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "repetition_penalty": 0},
+        "repetition_penalty: must be > 0, got 0",
+        "repetition_penalty",
+        None,
+    ),
+    (CHAT, {"messages": MSG, "seed": "x"}, "seed: must be an integer, got str", "seed", None),
+    (CHAT, {"messages": MSG, "n": 0}, "n: must be >= 1, got 0", "n", None),
+    (
+        CHAT,
+        {"messages": MSG, "stop": 5},
+        "stop: must be a string or a list of strings, got int",
+        "stop",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "max_tokens": 0},
+        "max_tokens: must be >= 1, got 0",
+        "max_tokens",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "max_completion_tokens": 1.5},
+        "max_completion_tokens: must be an integer, got float",
+        "max_completion_tokens",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "max_tokens": 500},
+        "max_tokens: 15 prompt tokens + 500 exceed the context of 256 tokens",
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "word " * 300}]},
+        "messages: 914 tokens exceed the context of 256 tokens",
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "stream": "yes"},
+        "stream: must be a boolean, got string",
+        "stream",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "stream_options": {"include_usage": True}},
+        "stream_options: only allowed when stream is true",
+        "stream_options",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "stream": True, "stream_options": {"include_usage": 1}},
+        "include_usage: must be a boolean, got integer",
+        "include_usage",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "top_logprobs": 3},
+        "top_logprobs: requires logprobs to be true",
+        "top_logprobs",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs: must be in [0, 20], got 21",
+        "top_logprobs",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "logprobs": 2},
+        "logprobs: must be a boolean, got integer",
+        "logprobs",
+        None,
+    ),
+    (CHAT, {"messages": MSG, "user": 7}, "user: must be a string, got integer", "user", None),
+    (
+        CHAT,
+        {"messages": MSG, "temprature": 0.5},
+        "temprature: unrecognized request argument",
+        "temprature",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "tools": [{"type": "function"}]},
+        "tools: not supported by this server",
+        "tools",
+        None,
+    ),
+    (COMPLETIONS, {}, "prompt: required", "prompt", None),
+    (COMPLETIONS, {"prompt": []}, "prompt: must not be empty", "prompt", None),
+    (
+        COMPLETIONS,
+        {"prompt": 3.5},
+        "prompt: must be a string, an array of token ids, or an array of either, got number",
+        "prompt",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": ["a", {"x": 1}]},
+        "prompt[1]: must be a string, an array of token ids, or an array of either, got object",
+        "prompt[1]",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": [5, 600]},
+        "prompt: token id 600 is outside the vocabulary (size 512)",
+        "prompt",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": list(range(3, 259))},
+        "prompt: 256 tokens leave no room to generate in the context of 256 tokens",
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "logprobs": True},
+        "logprobs: must be an integer, got boolean",
+        "logprobs",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "logprobs": 21},
+        "logprobs: must be in [0, 20], got 21",
+        "logprobs",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "echo": True},
+        "echo: not supported by this server",
+        "echo",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "messages": MSG},
+        "messages: unrecognized request argument",
+        "messages",
+        None,
+    ),
+]
+
+
+async def test_invalid_requests_get_400_with_the_field(model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    ref = await reference(model, MSG, chat=True, max_tokens=5, temperature=0, ignore_eos=True)
+    engine = await Engine.load(model)
+    try:
+        async with asgi_client(engine) as client:
+            for path, body, message, param, code in INVALID:
+                r = await client.post(path, json=body)
+                assert (r.status_code, r.json()) == (400, _err(message, param, code)), body
+            for raw, message in [
+                (
+                    b"{not json",
+                    "the request body is not valid JSON (Expecting property name "
+                    "enclosed in double quotes: line 1 column 2 (char 1))",
+                ),
+                (b"[1, 2]", "the request body must be a JSON object"),
+                (
+                    b'{"a": "\xc3\x28"}',
+                    "the request body is not valid JSON ('utf-8' codec can't decode "
+                    "byte 0xc3 in position 7: invalid continuation byte)",
+                ),
+            ]:
+                r = await client.post(CHAT, content=raw)
+                assert (r.status_code, r.json()) == (400, _err(message, None)), raw
+            # Null means "not given", as OpenAI clients send it.
+            body = {"messages": MSG, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            r = await client.post(CHAT, json={**body, "top_p": None, "stop": None, "user": None})
+            assert r.json()["choices"][0]["message"]["content"] == ref.text
+            assert engine.stats()["requests_finished"] == 1
+    finally:
+        await engine.close()
+
+
+async def test_model_body_limit_routes_and_api_key(model_dir: MakeModel) -> None:
+    engine = await Engine.load(model_dir("llama"))
+    settings = Settings(served_model_name="tiny", api_key="s3cret", max_body_bytes=1000)
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        async with asgi_client(engine, settings) as client:
+            body = {"messages": MSG, "max_tokens": 2}
+            r = await client.post(CHAT, json=body)
+            assert r.status_code == 401
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert r.json() == _err(
+                "missing API key: send it as `Authorization: Bearer <key>`", None, "invalid_api_key"
+            )
+            for bad in ("Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"):
+                r = await client.post(CHAT, json=body, headers={"Authorization": bad})
+                assert r.status_code == 401, bad
+            r = await client.post(CHAT, json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.json() == _err("incorrect API key", None, "invalid_api_key")
+            for path in ("/v1/models", "/v1/cache"):
+                assert (await client.get(path)).status_code == 401
+            for path in ("/tokenize", "/detokenize"):
+                assert (await client.post(path, json={})).status_code == 401
+            # Only health stays open (load balancer probes carry no key); Prometheus sends the
+            # key as a bearer token (`authorization` in its scrape config).
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/metrics")).status_code == 401
+            assert (await client.get("/metrics", headers=auth)).status_code == 200
+            r = await client.post(CHAT, json=body, headers=auth)
+            assert r.status_code == 200
+
+            r = await client.post(CHAT, json={**body, "model": "gpt-4o"}, headers=auth)
+            assert (r.status_code, r.json()) == (
+                404,
+                _err(
+                    "The model `gpt-4o` does not exist; this server serves `tiny`",
+                    "model",
+                    "model_not_found",
+                ),
+            )
+            r = await client.get("/v1/models/gpt-4o", headers=auth)
+            assert r.status_code == 404
+            big = {"messages": [{"role": "user", "content": "x" * 1000}]}
+            r = await client.post(CHAT, json=big, headers=auth)
+            assert (r.status_code, r.json()) == (
+                413,
+                _err("the request body is over the limit of 1000 bytes", None, "request_too_large"),
+            )
+
+            # Without Content-Length (chunked): counted while reading.
+            async def chunks() -> AsyncIterator[bytes]:
+                for _ in range(20):
+                    yield b" " * 100
+
+            r = await client.post(CHAT, content=chunks(), headers=auth)
+            assert r.status_code == 413
+            r = await client.get("/v1/nothing", headers=auth)
+            assert (r.status_code, r.json()) == (
+                404,
+                _err("no such endpoint: GET /v1/nothing", None, "not_found"),
+            )
+            r = await client.get(CHAT, headers=auth)
+            assert (r.status_code, r.json()) == (
+                405,
+                _err("method GET is not allowed on /v1/chat/completions", None),
+            )
+    finally:
+        await engine.close()
+
+
+async def test_a_full_queue_answers_503_with_retry_after(model_dir: MakeModel) -> None:
+    engine = await Engine.load(model_dir("llama"), max_batch=1, max_waiting=1)
+    try:
+        async with asgi_client(engine) as client:
+            running = engine.generate([5, 6, 7], max_tokens=250, temperature=0, ignore_eos=True)
+            await wait_for(engine, lambda s: s["running"] == 1)
+            queued = engine.generate([8, 9], max_tokens=2)
+            r = await client.post(CHAT, json={"messages": MSG, "stream": True})
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "1"
+            assert r.json() == {
+                "error": {
+                    "message": "1 requests are already waiting (max_waiting); retry later",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "engine_busy",
+                }
+            }
+            metrics = (await client.get("/metrics")).text
+            assert 'strata:admission_refusals_total{gate="queue"} 1.0' in metrics
+            assert 'strata:http_requests_total{endpoint="chat.completions",status="503"} 1.0' in (
+                metrics
+            )
+            running.cancel()
+            queued.cancel()
+            await wait_for(engine, lambda s: s["running"] == 0 and s["waiting"] == 0)
+            r = await client.post(CHAT, json={"messages": MSG, "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        await engine.close()
+
+
+async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    engine = await Engine.load(model)
+    tok = engine.tokenizer
+    try:
+        async with asgi_client(engine) as client:
+            models = (await client.get("/v1/models")).json()
+            assert models["object"] == "list"
+            (card,) = models["data"]
+            assert card["id"] == "tiny" and card["object"] == "model"
+            assert card["owned_by"] == "strata-rs"
+            assert card["root"] == str(model) and card["max_model_len"] == 256
+            assert "demo" not in card
+            assert (await client.get("/v1/models/tiny")).json() == card
+
+            r = (await client.post("/tokenize", json={"prompt": "hello world"})).json()
+            assert r == {
+                "count": len(tok.encode("hello world")),
+                "max_model_len": 256,
+                "tokens": tok.encode("hello world"),
+            }
+            r = (await client.post("/tokenize", json={"messages": MESSAGES})).json()
+            rendered = tok.apply_chat_template(MESSAGES)
+            assert r["tokens"] == tok.encode(rendered, add_special_tokens=False)
+            r = (await client.post("/detokenize", json={"tokens": r["tokens"]})).json()
+            assert r == {"prompt": rendered}
+            r = await client.post("/detokenize", json={"tokens": [5, 512]})
+            assert (r.status_code, r.json()) == (
+                400,
+                _err("tokens: token id 512 is outside the vocabulary (size 512)", "tokens"),
+            )
+            r = await client.post("/tokenize", json={"prompt": "a", "messages": MSG})
+            assert (r.status_code, r.json()) == (
+                400,
+                _err("send exactly one of prompt and messages", None),
+            )
+
+            empty = (await client.get("/v1/cache")).json()
+            assert empty == {
+                "object": "cache",
+                "block_size": 16,
+                "entry_bytes": engine.info["kv_block_bytes"],
+                "tiers": [
+                    {
+                        "tier": "device",
+                        "bytes": 0,
+                        "capacity_bytes": 16 * engine.info["kv_block_bytes"],
+                        "entries": 0,
+                        "hit_tokens": 0,
+                    }
+                ],
+                "hit_tokens": 0,
+                "query_tokens": 0,
+                "hit_rate": 0.0,
+            }
+            ids = list(range(3, 53))  # 50 tokens: 3 full blocks
+            body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            for _ in range(2):
+                assert (await client.post(COMPLETIONS, json=body)).status_code == 200
+            cache = (await client.get("/v1/cache")).json()
+            s = engine.stats()
+            assert cache["tiers"][0]["entries"] == s["kv_blocks_cached"] >= 3
+            assert (
+                cache["tiers"][0]["bytes"] == s["kv_blocks_cached"] * engine.info["kv_block_bytes"]
+            )
+            assert cache["hit_tokens"] == 48 and cache["query_tokens"] == 100
+            assert cache["hit_rate"] == 0.48
+
+            text = (await client.get("/metrics")).text
+            lines = set(text.splitlines())
+            for line in [
+                "strata:engine_up 1.0",
+                "strata:num_requests_running 0.0",
+                "strata:num_requests_waiting 0.0",
+                "strata:kv_cache_usage_perc 0.0",
+                "strata:kv_blocks_total 16.0",
+                f"strata:kv_blocks_cached {float(s['kv_blocks_cached'])}",
+                f'strata:cache_bytes{{tier="device"}} {float(cache["tiers"][0]["bytes"])}',
+                "strata:prefix_cache_queries_total 100.0",
+                'strata:prefix_cache_hits_total{tier="device"} 48.0',
+                "strata:prompt_tokens_total 100.0",
+                "strata:generation_tokens_total 8.0",
+                "strata:requests_finished_total 2.0",
+                "strata:requests_cancelled_total 0.0",
+                'strata:admission_refusals_total{gate="queue"} 0.0',
+                "strata:num_preemptions_total 0.0",
+                "strata:time_to_first_token_seconds_count 2.0",
+                "strata:e2e_request_latency_seconds_count 2.0",
+                "strata:engine_time_to_first_token_seconds_count 2.0",
+                'strata:http_requests_total{endpoint="completions",status="200"} 2.0',
+                'strata:http_requests_total{endpoint="detokenize",status="400"} 1.0',
+            ]:
+                assert line in lines, line
+            assert "strata:inter_token_latency_seconds_count 0.0" in lines  # not streamed
+            assert 'strata:engine_step_seconds_bucket{le="+Inf"} ' in text
+    finally:
+        await engine.close()
+
+
+async def test_health_tells_the_truth(model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    release = asyncio.Event()
+
+    async def load() -> Engine:
+        await release.wait()
+        return await Engine.load(model)
+
+    async with asgi_client(load) as client:
+        state = client.app.state.strata  # type: ignore[attr-defined]
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (
+            503,
+            {"status": "loading", "reason": "the model is loading"},
+        )
+        r = await client.post(CHAT, json={"messages": MSG})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "model_loading"
+        assert "strata:engine_up 0.0" in (await client.get("/metrics")).text
+        release.set()
+        while state.engine is None:
+            await asyncio.sleep(0.01)
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (
+            200,
+            {
+                "status": "ok",
+                "model": "tiny",
+                "demo": False,
+                "running": 0,
+                "waiting": 0,
+                "kv_usage": 0.0,
+            },
+        )
+        state.engine._inject_fault()
+        # The fault happens in the engine's next step: give it one.
+        r = await client.post(CHAT, json={"messages": MSG, "max_tokens": 3})
+        assert r.status_code == 503
+        error = r.json()["error"]
+        # The request rode the faulting step, or arrived as the loop went down, or after (the
+        # engine's EngineStopped then says "closed").
+        assert error.pop("message") in (
+            "engine fault: panic: injected fault",
+            "the engine stopped before the request finished",
+            "the engine is closed",
+        )
+        assert error == {"type": "server_error", "param": None, "code": "engine_stopped"}
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (
+            503,
+            {"status": "stopped", "reason": "engine fault: panic: injected fault"},
+        )
+        await asyncio.wait_for(state.fatal_event.wait(), 5)
+        assert state.fatal == "the engine loop stopped: engine fault: panic: injected fault"
+        assert "strata:engine_up 0.0" in (await client.get("/metrics")).text
+        r = await client.post(CHAT, json={"messages": MSG})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_stopped"
+
+    # A model that cannot load: 503 with the reason, and fatal.
+    async def broken() -> Engine:
+        return await Engine.load(model.parent / "missing")
+
+    async with asgi_client(broken) as client:
+        state = client.app.state.strata  # type: ignore[attr-defined]
+        await asyncio.wait_for(state.fatal_event.wait(), 5)
+        r = await client.get("/health")
+        assert r.status_code == 503
+        assert r.json()["status"] == "failed"
+        assert r.json()["reason"].startswith("the model failed to load: ModelLoadError: ")
+
+    # An engine closed under the app (the loop stopped): 503 with the engine's reason.
+    engine = await Engine.load(model)
+    async with asgi_client(engine) as client:
+        await engine.close()
+        r = await client.get("/health")
+        assert (r.status_code, r.json()) == (
+            503,
+            {"status": "stopped", "reason": "the engine was closed"},
+        )
+
+
+async def test_client_disconnect_frees_its_sequence(model_dir: MakeModel) -> None:
+    model = model_dir("llama", max_position_embeddings=4096)
+    engine = await Engine.load(model)
+    try:
+        async with real_server(engine) as url, httpx.AsyncClient(base_url=url) as client:
+            body = {"prompt": [5, 6, 7], "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+            async with client.stream("POST", COMPLETIONS, json={**body, "stream": True}) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        seen += 1
+                        if seen == 3:
+                            break
+            # Leaving the block closed the connection mid-stream.
+            s = await wait_for(engine, lambda s: s["requests_cancelled"] == 1)
+            s = await wait_for(engine, lambda s: s["running"] == 0)
+            assert s["kv_blocks_used"] == 0
+            assert s["generated_tokens"] < 4000
+            metrics = (await client.get("/metrics")).text
+            assert "strata:requests_cancelled_total 1.0" in metrics
+            assert "strata:num_requests_running 0.0" in metrics
+
+            # A non-streaming client that gives up is cancelled too.
+            task = asyncio.ensure_future(client.post(COMPLETIONS, json=body))
+            await wait_for(engine, lambda s: s["running"] == 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            s = await wait_for(engine, lambda s: s["requests_cancelled"] == 2)
+            s = await wait_for(engine, lambda s: s["running"] == 0)
+            assert s["kv_blocks_used"] == 0
+            assert (await client.get("/health")).status_code == 200
+    finally:
+        await engine.close()
+
+
+async def test_an_engine_fault_mid_stream_ends_it_with_an_error_event(
+    model_dir: MakeModel,
+) -> None:
+    model = model_dir("llama", max_position_embeddings=4096)
+    engine = await Engine.load(model)
+    try:
+        async with real_server(engine) as url, httpx.AsyncClient(base_url=url) as client:
+            body = {
+                "prompt": [5, 6, 7],
+                "max_tokens": 4000,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            lines: list[str] = []
+            async with client.stream("POST", COMPLETIONS, json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        if len(lines) == 2:
+                            engine._inject_fault()
+            assert lines[-1] == "data: " + json.dumps(
+                {
+                    "error": {
+                        "message": "engine fault: panic: injected fault",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "engine_stopped",
+                    }
+                },
+                separators=(",", ":"),
+            )
+            assert "data: [DONE]" not in lines
+            assert (await client.get("/health")).status_code == 503
+    finally:
+        await engine.close()
+
+
+async def test_kept_alive_connections_answer_without_a_nagle_delay(model_dir: MakeModel) -> None:
+    """Accepted sockets need TCP_NODELAY (asyncio sets it only for a listening socket created
+    with proto IPPROTO_TCP); without it, every answer on a kept-alive connection waits for the
+    client's delayed ACK, ~40 ms."""
+    engine = await Engine.load(model_dir("llama"))
+    try:
+        async with real_server(engine) as url, httpx.AsyncClient(base_url=url) as client:
+            times = []
+            for _ in range(12):
+                t0 = asyncio.get_running_loop().time()
+                assert (await client.get("/health")).status_code == 200
+                times.append(asyncio.get_running_loop().time() - t0)
+            assert sorted(times)[6] < 0.02, times
+    finally:
+        await engine.close()

@@ -1,0 +1,410 @@
+"""The server as users run it: `strata-rs serve` in a subprocess on 127.0.0.1, driven by the
+`openai` package (sync and async, streaming and not) and by httpx, with real signals and real exit
+statuses. Expected outputs come from the Python API on the same model folder."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from strata_rs import Completion, Engine
+
+MakeModel = Callable[..., Path]
+
+
+class Server:
+    """A server subprocess; its log (stderr) is read by a thread, line by line."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        line = self.wait_line("listening on http://")
+        self.url = line.split("listening on ")[1].split()[0]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            print("server:", line, end="")  # pytest shows it when a test fails
+            self.lines.append(line.rstrip("\n"))
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_line(self, needle: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {needle!r} in the log: {self.lines}") from None
+            if line is None:
+                raise AssertionError(f"the server exited: {self.lines}")
+            if needle in line:
+                return line
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"never healthy: {self.lines}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+
+def serve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "strata_rs.cli", "serve", "--port", "0", *args]
+
+
+def reference(
+    model: Path, prompts: Sequence[Any], chat: bool = False, **params: Any
+) -> list[Completion]:
+    """The Python API's answers, one prompt at a time on a fresh engine."""
+
+    async def run() -> list[Completion]:
+        engine = await Engine.load(model, max_batch=1)
+        try:
+            out = []
+            tok = engine.tokenizer
+            for p in prompts:
+                if chat:
+                    p = tok.encode(tok.apply_chat_template(p), add_special_tokens=False)
+                out.append(await engine.complete(p, **params))
+            return out
+        finally:
+            await engine.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: MakeModel) -> Iterator[Server]:
+    s = Server(serve_argv("--model", str(model_dir("llama")), "--served-model-name", "tiny"))
+    s.wait_healthy()
+    yield s
+    assert s.stop() == 0
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": f"question number {i}: what is {i} plus {i}?"}] for i in range(8)
+]
+GREEDY = {"temperature": 0, "max_tokens": 10}
+
+
+def test_openai_sync_client_streaming_and_not(server: Server, model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    (chat_ref,) = reference(model, CONVERSATIONS[:1], chat=True, ignore_eos=True, **GREEDY)
+    (text_ref,) = reference(model, ["Once upon a time"], ignore_eos=True, **GREEDY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    extra = {"ignore_eos": True}
+    r = client.chat.completions.create(
+        model="tiny", messages=CONVERSATIONS[0], extra_body=extra, **GREEDY
+    )
+    assert r.choices[0].message.content == chat_ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 10
+    assert r.usage.prompt_tokens == chat_ref.usage.prompt_tokens
+
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=CONVERSATIONS[0],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref.text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details is not None
+    # The same conversation a second time: its full prompt blocks were cached.
+    cached = (chat_ref.usage.prompt_tokens - 1) // 16 * 16
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+    r2 = client.completions.create(
+        model="tiny", prompt="Once upon a time", extra_body=extra, **GREEDY
+    )
+    assert r2.choices[0].text == text_ref.text
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", stream=True, extra_body=extra, **GREEDY
+        )
+    )
+    assert text == text_ref.text
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=CONVERSATIONS[0])
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e2:
+        client.chat.completions.create(model="tiny", messages=CONVERSATIONS[0], top_p=1.5)
+    assert e2.value.param == "top_p"
+    assert e2.value.body == {
+        "message": "top_p: must be in (0, 1], got 1.5",
+        "type": "invalid_request_error",
+        "param": "top_p",
+        "code": None,
+    }
+
+
+@pytest.mark.anyio
+async def test_openai_async_client_concurrent_streams(server: Server, model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    refs = await asyncio.to_thread(
+        reference, model, CONVERSATIONS, chat=True, ignore_eos=True, **GREEDY
+    )
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    async def one(messages: Any, stream: bool) -> str:
+        if not stream:
+            r = await client.chat.completions.create(
+                model="tiny", messages=messages, extra_body={"ignore_eos": True}, **GREEDY
+            )
+            return r.choices[0].message.content or ""
+        out = ""
+        s = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            **GREEDY,
+        )
+        async for chunk in s:
+            out += chunk.choices[0].delta.content or ""
+        return out
+
+    got = await asyncio.gather(*[one(m, i % 2 == 0) for i, m in enumerate(CONVERSATIONS)])
+    assert got == [r.text for r in refs]
+    await client.close()
+
+
+@pytest.mark.anyio
+async def test_64_concurrent_streaming_clients(server: Server, model_dir: MakeModel) -> None:
+    model = model_dir("llama")
+    prompts = [[3 + (i * 7 + j * 13) % 500 for j in range(5 + i % 30)] for i in range(64)]
+    lengths = [4 + i % 20 for i in range(64)]
+
+    async def refs() -> list[str]:
+        engine = await Engine.load(model, max_batch=1)
+        try:
+            return [
+                (await engine.complete(p, max_tokens=n, temperature=0, ignore_eos=True)).text
+                for p, n in zip(prompts, lengths, strict=True)
+            ]
+        finally:
+            await engine.close()
+
+    expected = await refs()
+    before = httpx.get(server.url + "/metrics").text
+    limits = httpx.Limits(max_connections=64)
+
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60) as client:
+
+        async def one(p: list[int], n: int) -> tuple[str, str | None, dict[str, Any]]:
+            body = {
+                "model": "tiny",
+                "prompt": p,
+                "max_tokens": n,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            text = ""
+            finish = None
+            usage: dict[str, Any] = {}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk["usage"] is not None:
+                        usage = chunk["usage"]
+                    for c in chunk["choices"]:
+                        text += c["text"]
+                        finish = c["finish_reason"] or finish
+            return text, finish, usage
+
+        got = await asyncio.gather(*[one(p, n) for p, n in zip(prompts, lengths, strict=True)])
+    for i, (text, finish, usage) in enumerate(got):
+        assert text == expected[i], i
+        assert finish == "length"
+        assert usage["completion_tokens"] == lengths[i]
+        assert usage["prompt_tokens"] == len(prompts[i])
+
+    def counter(text: str, name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + " "))
+        return float(line.split()[1])
+
+    after = httpx.get(server.url + "/metrics").text
+    finished = counter(after, "strata:requests_finished_total")
+    assert finished - counter(before, "strata:requests_finished_total") == 64
+    assert counter(after, "strata:num_requests_running") == 0
+    assert counter(after, "strata:kv_blocks_used") == 0
+
+
+def test_api_key_from_the_environment(model_dir: MakeModel) -> None:
+    s = Server(serve_argv("--model", str(model_dir("llama"))), env={"STRATA_API_KEY": "k3y"})
+    try:
+        s.wait_healthy()
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="k3y", max_retries=0)
+        assert [m.id for m in good.models.list()] == [model_dir("llama").name]
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir: MakeModel) -> None:
+    model = model_dir("llama", max_position_embeddings=4096)
+    (ref,) = reference(model, [[5, 6, 7]], max_tokens=2500, temperature=0, ignore_eos=True)
+    s = Server(serve_argv("--model", str(model), "--grace-seconds", "30"))
+    s.wait_healthy()
+    body = {"prompt": [5, 6, 7], "max_tokens": 2500, "temperature": 0, "ignore_eos": True}
+    text = ""
+    lines = []
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                lines.append(line)
+                if len(lines) == 1:
+                    s.proc.send_signal(signal.SIGTERM)
+                    s.wait_line("shutting down: no new requests")
+                    # Not admitting: the listening socket closes (or a request gets 503).
+                    time.sleep(0.3)
+                    with pytest.raises(httpx.TransportError):
+                        httpx.post(s.url + "/v1/completions", json=body, timeout=5)
+                if line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+    assert lines[-1] == "data: [DONE]"
+    assert text == ref.text
+    assert s.proc.wait(timeout=30) == 0
+    assert any("completions 200" in x and "generated=2500" in x for x in s.lines)
+
+
+def test_grace_period_ends_requests_that_outlast_it_and_exits_0(model_dir: MakeModel) -> None:
+    model = model_dir("llama", max_position_embeddings=4096)
+    s = Server(serve_argv("--model", str(model), "--grace-seconds", "0.3"))
+    s.wait_healthy()
+    body = {"prompt": [5], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    # 4000 tokens take the engine well over the grace period.
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            it = r.iter_lines()
+            next(it)
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 5
+            rest = []
+            with pytest.raises(httpx.RemoteProtocolError):
+                for line in it:
+                    rest.append(line)
+            assert "data: [DONE]" not in rest
+    assert any("timeout graceful shutdown exceeded" in x for x in s.lines)
+
+
+FAULT_SCRIPT = """
+import asyncio, signal, sys
+from strata_rs import Engine
+from strata_rs.server import Settings, create_app
+from strata_rs.server.serve import configure_logging, serve_app
+
+async def load():
+    engine = await Engine.load(sys.argv[1])
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine._inject_fault)
+    return engine
+
+configure_logging("info")
+sys.exit(asyncio.run(serve_app(create_app(load, Settings()), "127.0.0.1", 0)))
+"""
+
+
+def test_an_engine_fault_ends_requests_and_exits_non_zero(
+    model_dir: MakeModel, tmp_path: Path
+) -> None:
+    """serve_app is what `strata-rs serve` runs; SIGUSR1 makes this one's engine fault."""
+    script = tmp_path / "faulty_server.py"
+    script.write_text(FAULT_SCRIPT)
+    model = model_dir("llama", max_position_embeddings=4096)
+    s = Server([sys.executable, str(script), str(model)])
+    s.wait_healthy()
+    body = {"prompt": [5], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
+    lines = []
+    with httpx.Client(base_url=s.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 1:
+                        s.proc.send_signal(signal.SIGUSR1)
+    error = json.loads(lines[-1][6:])
+    assert error["error"]["message"] == "engine fault: panic: injected fault"
+    assert error["error"]["code"] == "engine_stopped"
+    assert s.proc.wait(timeout=30) == 1
+    assert any(
+        "fatal: the engine loop stopped: engine fault: panic: injected fault" in x for x in s.lines
+    )
+
+
+def test_serve_without_a_model_runs_the_demo_model(tmp_path: Path) -> None:
+    from strata_rs.server.serve import demo_model
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    s = Server(serve_argv(), env=env)
+    try:
+        s.wait_healthy()
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["strata-rs-demo"]
+        assert models[0]["demo"] is True
+        assert models[0]["root"] == str(tmp_path / "strata-rs" / "demo-model")
+        assert "random weights" in models[0]["description"]
+        r = httpx.post(
+            s.url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        )
+        assert r.status_code == 200
+        assert any("serving the built-in demo model" in x for x in s.lines)
+    finally:
+        assert s.stop() == 0
+    # Written once, reused after.
+    config = tmp_path / "strata-rs" / "demo-model" / "config.json"
+    mtime = config.stat().st_mtime_ns
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path)
+    try:
+        assert demo_model() == tmp_path / "strata-rs" / "demo-model"
+    finally:
+        del os.environ["XDG_CACHE_HOME"]
+    assert config.stat().st_mtime_ns == mtime
