@@ -1,15 +1,22 @@
 //! Kernel benchmarks: decode-shaped linears (bandwidth bound, reported as GB/s of weights and
-//! activations read), a prefill-shaped linear, and decode paged attention.
+//! activations read), prefill-shaped linears, decode and prefill paged attention, and whole
+//! prefill steps of a smollm-135m-shaped bf16 model.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::{bf16, f16};
 use std::hint::black_box;
 use std::time::Duration;
+use strata_rs::engine::runner::ModelRunner;
+use strata_rs::kv::blocks::KvDtype;
+use strata_rs::model::forward::{LogitsWanted, SeqChunk};
 use strata_rs::model::kernels::cpu::attention::{
     paged_attention, AttnRow, AttnScratch, KvData, KvLayer,
 };
 use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
 use strata_rs::model::kernels::cpu::{MatRef, WeightData};
+use strata_rs::model::testing::TestModel;
+use strata_rs::model::weights::DType;
+use strata_rs::model::Model;
 
 fn values(n: usize, seed: u32) -> Vec<f32> {
     // Deterministic, cheap, bounded: a scrambled counter.
@@ -29,6 +36,7 @@ fn bench_linear(c: &mut Criterion) {
         (1, 576, 1536),
         (1, 49152, 576),
         (512, 1536, 576),
+        (512, 576, 1536),
     ] {
         let w: Vec<bf16> = values(m * k, 1).into_iter().map(bf16::from_f32).collect();
         let x = values(n * k, 2);
@@ -105,5 +113,106 @@ fn bench_attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_linear, bench_attention);
+/// A 512-row prefill chunk of one sequence (positions `ctx - 512..ctx`), f16 K/V.
+fn bench_attention_prefill(c: &mut Criterion) {
+    let mut g = c.benchmark_group("paged_attention_prefill");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500));
+    let (n_heads, kv_heads, head_dim, block_size) = (9usize, 3usize, 64usize, 16usize);
+    let threads = rayon::current_num_threads();
+    for &ctx in &[512usize, 2048] {
+        let blocks = ctx.div_ceil(block_size);
+        let len = blocks * block_size * kv_heads * head_dim;
+        let k16: Vec<f16> = values(len, 3).into_iter().map(f16::from_f32).collect();
+        let v16: Vec<f16> = values(len, 4).into_iter().map(f16::from_f32).collect();
+        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let kv = KvLayer {
+            k: KvData::F16(&k16),
+            v: KvData::F16(&v16),
+            block_size,
+            kv_heads,
+            head_dim,
+        };
+        let rows: Vec<AttnRow> = (ctx - 512..ctx)
+            .map(|p| AttnRow {
+                pos: p as u32,
+                table_start: 0,
+                table_len: blocks as u32,
+            })
+            .collect();
+        let q = values(rows.len() * n_heads * head_dim, 5);
+        let mut out = vec![0.0f32; q.len()];
+        let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, threads);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        g.throughput(Throughput::Elements(rows.len() as u64));
+        g.bench_function(format!("rows512_ctx{ctx}_f16"), |b| {
+            b.iter(|| {
+                paged_attention(
+                    black_box(&q),
+                    &rows,
+                    &tables,
+                    &kv,
+                    n_heads,
+                    scale,
+                    None,
+                    &mut out,
+                    &mut scratch,
+                )
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Whole prefill steps of smollm-135m bf16 (random weights, f16 K/V): the first 512 tokens of
+/// a prompt, and the last 512 of a 2048-token one (positions 1536..2048). Throughput in tokens.
+fn bench_prefill_step(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    TestModel::smollm_135m(DType::Bf16)
+        .write(dir.path())
+        .expect("write model");
+    let model = Model::load(dir.path(), 2048).expect("load model");
+    let vocab = model.config.vocab_size;
+    let threads = rayon::current_num_threads();
+    let kv_dtype = KvDtype::for_weights(model.dtype);
+    let mut runner = ModelRunner::new(model, 129, 16, 512, threads, kv_dtype).expect("runner");
+    let table = runner.allocate(2048).expect("blocks");
+    let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919) % vocab as u32).collect();
+    let mut out = vec![0.0f32; vocab];
+    runner
+        .prefill(&prompt, 0, &table, LogitsWanted::Last, &mut out)
+        .expect("prefill");
+    let mut g = c.benchmark_group("prefill_step");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(8))
+        .warm_up_time(Duration::from_secs(1));
+    g.throughput(Throughput::Elements(512));
+    for start in [0usize, 1536] {
+        g.bench_function(
+            format!("smollm-135m bf16, tokens {start}..{}", start + 512),
+            |b| {
+                b.iter(|| {
+                    // Recomputes the same positions each time: same work, K/V rewritten in place.
+                    let batch = [SeqChunk {
+                        tokens: &prompt[start..start + 512],
+                        start_pos: start,
+                        block_table: &table,
+                        logits: LogitsWanted::Last,
+                    }];
+                    runner.step(&batch, &mut out).expect("step")
+                })
+            },
+        );
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_linear,
+    bench_attention,
+    bench_attention_prefill,
+    bench_prefill_step
+);
 criterion_main!(benches);

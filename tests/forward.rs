@@ -317,3 +317,238 @@ fn sharded_weights_load_like_one_file() {
     let got = runner(sharded.path(), 512).all_logits(&tokens).unwrap();
     assert_eq!(got, want, "shards must give bit-identical logits");
 }
+
+// ---- Batch invariance: every row's logits are bitwise independent of the step it ran in. ----
+
+/// The tiny model of `family` in `dtype` (mistral with a 50-key sliding window, so that windows
+/// cut the attention segments in the sequences below).
+fn invariance_model(family: &'static str, dtype: DType) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = TestModel::tiny(family);
+    m.dtype = dtype;
+    m.write(dir.path()).unwrap();
+    if family == "mistral" {
+        let path = dir.path().join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        cfg["sliding_window"] = 50.into();
+        std::fs::write(&path, cfg.to_string()).unwrap();
+    }
+    dir
+}
+
+/// Every invariance model: four families in f32, llama also in bf16 and f16 (f16 K/V), mistral
+/// (sliding window) also in bf16.
+fn invariance_models() -> Vec<(String, tempfile::TempDir)> {
+    let mut v = Vec::new();
+    for (family, dtype) in [
+        ("llama", DType::F32),
+        ("qwen2", DType::F32),
+        ("qwen3", DType::F32),
+        ("mistral", DType::F32),
+        ("llama", DType::Bf16),
+        ("llama", DType::F16),
+        ("mistral", DType::Bf16),
+    ] {
+        v.push((
+            format!("{family} {dtype:?}"),
+            invariance_model(family, dtype),
+        ));
+    }
+    v
+}
+
+fn runner_threads(dir: &Path, max_batch_tokens: usize, threads: usize) -> ModelRunner {
+    let model = Model::load(dir, 512).unwrap();
+    let kv_dtype = KvDtype::for_weights(model.dtype);
+    ModelRunner::new(model, 64, 16, max_batch_tokens, threads, kv_dtype).unwrap()
+}
+
+/// Asserts bitwise equality, naming the first differing element.
+fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: element {i} differs: {} vs {} (max abs diff {})",
+            got[i],
+            want[i],
+            max_abs_diff(got, want)
+        );
+    }
+}
+
+/// One chunk (300 tokens: the panel matmul path, attention over 3 segments) vs chunks of 1, 7,
+/// 16 and 100 tokens (max_batch_tokens set to the chunk: the stream path, and every split of the
+/// prompt), on 2 threads and on 1 or 3: every position's logits, bit for bit.
+#[test]
+fn logits_are_bitwise_independent_of_chunking_and_threads() {
+    let tokens = ids(300, 256, 11);
+    for (name, dir) in invariance_models() {
+        let want = runner_threads(dir.path(), 512, 2)
+            .all_logits(&tokens)
+            .unwrap();
+        for (step, threads) in [
+            (512, 1),
+            (512, 3),
+            (1, 2),
+            (7, 2),
+            (16, 3),
+            (100, 2),
+            (100, 1),
+        ] {
+            let got = runner_threads(dir.path(), step, threads)
+                .all_logits(&tokens)
+                .unwrap();
+            assert_bits_eq(
+                &got,
+                &want,
+                &format!("{name}: chunks of {step} on {threads} threads"),
+            );
+        }
+    }
+}
+
+/// A sequence's logits alone vs in steps shared with other sequences' prefill chunks and decode
+/// rows (before and after it in the batch, with more and fewer rows than the matmul's stream
+/// path takes), for every position of its prompt.
+#[test]
+fn logits_are_bitwise_independent_of_batch_neighbours() {
+    let vocab = 256;
+    let target = ids(150, 256, 21);
+    let other_a = ids(260, 256, 22);
+    let other_b = ids(90, 256, 23);
+    for (name, dir) in invariance_models() {
+        let want = runner(dir.path(), 512).all_logits(&target).unwrap();
+        let mut r = runner(dir.path(), 512);
+        let tt = r.allocate(target.len()).unwrap();
+        let ta = r.allocate(other_a.len()).unwrap();
+        let tb = r.allocate(other_b.len()).unwrap();
+        let mut sink = vec![0.0; 512 * vocab];
+        // The others' history: a is 200 tokens in (decode rows from there), b 40.
+        r.prefill(&other_a[..200], 0, &ta, LogitsWanted::None, &mut sink)
+            .unwrap();
+        r.prefill(&other_b[..40], 0, &tb, LogitsWanted::None, &mut sink)
+            .unwrap();
+        // The target in chunks of 3, 60, 1, 86 tokens, each step with different company.
+        let mut got = vec![0.0; target.len() * vocab];
+        let (mut pos, mut a_pos, mut b_pos) = (0, 200, 40);
+        for (i, len) in [3usize, 60, 1, 86].into_iter().enumerate() {
+            let chunk = SeqChunk {
+                tokens: &target[pos..pos + len],
+                start_pos: pos,
+                block_table: &tt,
+                logits: LogitsWanted::All,
+            };
+            let a_dec = SeqChunk {
+                tokens: &other_a[a_pos..a_pos + 1],
+                start_pos: a_pos,
+                block_table: &ta,
+                logits: LogitsWanted::Last,
+            };
+            let b_len = [20, 1, 29, 0][i];
+            let b_pre = SeqChunk {
+                tokens: &other_b[b_pos..b_pos + b_len],
+                start_pos: b_pos,
+                block_table: &tb,
+                logits: LogitsWanted::All,
+            };
+            // Target first, in the middle, last, and alone with a decode row.
+            let (batch, at): (Vec<SeqChunk>, usize) = match i {
+                0 => (vec![chunk, a_dec, b_pre], 0),
+                1 => (vec![a_dec, chunk, b_pre], 1),
+                2 => (vec![b_pre, a_dec, chunk], b_len + 1),
+                _ => (vec![a_dec, chunk], 1),
+            };
+            let rows = r.step(&batch, &mut sink).unwrap();
+            assert_eq!(rows, len + 1 + b_len);
+            got[pos * vocab..(pos + len) * vocab]
+                .copy_from_slice(&sink[at * vocab..(at + len) * vocab]);
+            pos += len;
+            a_pos += 1;
+            b_pos += b_len;
+        }
+        assert_eq!(pos, target.len());
+        assert_bits_eq(
+            &got,
+            &want,
+            &format!("{name}: target among other sequences"),
+        );
+    }
+}
+
+/// Greedy decode for `steps` tokens after `prompt`, each step's logits recorded. `company`
+/// gives, per step, other rows to run in the same step (prefill chunks and decode rows of other
+/// sequences, placed before the target).
+fn greedy(
+    r: &mut ModelRunner,
+    prompt: &[u32],
+    steps: usize,
+    mut company: impl FnMut(usize, &mut ModelRunner) -> Vec<(Vec<u32>, usize, Vec<u32>)>,
+) -> (Vec<u32>, Vec<f32>) {
+    let vocab = r.model.config.vocab_size;
+    let table = r.allocate(prompt.len() + steps).unwrap();
+    let mut out = vec![0.0; vocab];
+    r.prefill(prompt, 0, &table, LogitsWanted::Last, &mut out)
+        .unwrap();
+    let (mut toks, mut logits) = (Vec::new(), out.clone());
+    let mut sink = vec![0.0; 512 * vocab];
+    for i in 0..steps {
+        let next = argmax(&out) as u32;
+        toks.push(next);
+        let others = company(i, r);
+        let mut batch: Vec<SeqChunk> = others
+            .iter()
+            .map(|(t, start, table)| SeqChunk {
+                tokens: t,
+                start_pos: *start,
+                block_table: table,
+                logits: LogitsWanted::Last,
+            })
+            .collect();
+        let before = batch.len();
+        let tok = [next];
+        batch.push(SeqChunk {
+            tokens: &tok,
+            start_pos: prompt.len() + i,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        });
+        let rows = r.step(&batch, &mut sink).unwrap();
+        assert_eq!(rows, before + 1);
+        out.copy_from_slice(&sink[before * vocab..(before + 1) * vocab]);
+        logits.extend_from_slice(&out);
+    }
+    (toks, logits)
+}
+
+/// A 40-step greedy continuation alone vs interleaved with other sequences' prefill chunks
+/// (of 1 to 120 tokens) and decode rows: the same tokens and the same logits, bit for bit.
+#[test]
+fn greedy_decode_is_bitwise_independent_of_interleaving() {
+    let prompt = ids(130, 256, 31);
+    let other = ids(400, 256, 32);
+    for (name, dir) in invariance_models() {
+        let (want_toks, want_logits) =
+            greedy(&mut runner(dir.path(), 512), &prompt, 40, |_, _| Vec::new());
+        let mut r = runner(dir.path(), 512);
+        let t1 = r.allocate(other.len()).unwrap();
+        let t2 = r.allocate(other.len()).unwrap();
+        let (mut p1, mut p2) = (0usize, 0usize);
+        let (got_toks, got_logits) = greedy(&mut r, &prompt, 40, |i, _| {
+            let mut v = Vec::new();
+            // Sequence 1 prefills in chunks of 1 to 120 tokens, then decodes; sequence 2 joins
+            // at step 10 with 33-token chunks between decode rows.
+            let len1 = if i < 5 { [1, 7, 64, 65, 120][i] } else { 1 };
+            v.push((other[p1..p1 + len1].to_vec(), p1, t1.clone()));
+            p1 += len1;
+            if i >= 10 {
+                let len2 = if i % 3 == 0 { 33 } else { 1 };
+                v.push((other[p2..p2 + len2].to_vec(), p2, t2.clone()));
+                p2 += len2;
+            }
+            v
+        });
+        assert_eq!(got_toks, want_toks, "{name}: greedy tokens differ");
+        assert_bits_eq(&got_logits, &want_logits, &format!("{name}: greedy logits"));
+    }
+}

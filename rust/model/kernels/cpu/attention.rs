@@ -1,13 +1,19 @@
 //! Grouped-query attention for one batch of query rows over a paged K/V cache.
 //!
-//! K/V rows are stored as f32 or f16 ([`KvData`]); all arithmetic is f32. Decode batches with few
-//! (row, K/V head) tasks split each long row's key range into segments (split-K, as in
-//! flash-decoding) so that every thread has work; the segments' partial softmax states are merged
-//! exactly afterwards.
+//! K/V rows are stored as f32 or f16 ([`KvData`]); all arithmetic is f32.
+//!
+//! **Batch invariance.** A row's visible keys are cut into fixed segments by absolute key
+//! position (`SEGMENT` keys, aligned to multiples of `SEGMENT`), each segment's softmax state is
+//! computed from scratch, and the states are merged in key order. That arithmetic depends only on
+//! the row (its position, window, queries and cache), never on the rest of the batch or the
+//! thread count: decode batches with few (row, K/V head) tasks run the segments in parallel
+//! (split-K, as in flash-decoding) so that every thread has work; bigger batches run one task per
+//! (row, K/V head) that walks its segments in order. Both give the same bits.
 
 use super::swiglu::fast_exp;
 use half::f16;
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Largest supported head dimension (stack accumulators are sized for it).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -15,10 +21,16 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const MAX_GROUP: usize = 16;
 /// Keys scored per online-softmax step: one rescale of the accumulators per tile.
 const TILE: usize = 32;
-/// Fewest keys in a split-K segment (a multiple of TILE).
-const MIN_SEGMENT: usize = 128;
-/// Split-K is used while there are fewer than this many tasks per thread, and aims at that many.
+/// Keys per segment (a multiple of TILE): segment `j` is keys `j*SEGMENT..(j+1)*SEGMENT`,
+/// intersected with a row's visible keys.
+const SEGMENT: usize = 128;
+/// Segments run as parallel tasks (split-K) while there are fewer than this many (row, K/V
+/// head) tasks per thread.
 const TASKS_PER_THREAD: usize = 4;
+/// Floats of split-K partial states in [`AttnScratch`] (4 MiB): with smollm's 3 heads of 64
+/// per K/V head, 5300 segments, e.g. 2 rows of 3 K/V heads at 110k keys. Bigger plans run
+/// one task per (row, K/V head): the same bits, less parallel.
+const PARTS_FLOATS: usize = 1 << 20;
 
 /// One layer's K or V storage, `[num_blocks, block_size, kv_heads, head_dim]`.
 #[derive(Clone, Copy, Debug)]
@@ -75,44 +87,47 @@ struct Segment {
     hi: u32,
 }
 
+/// A segment's softmax state per query head of the group: the running max of the scores and
+/// the sum of `exp(score - max)` (the accumulators live beside it).
+#[derive(Clone, Copy)]
+struct State {
+    mx: [f32; MAX_GROUP],
+    sum: [f32; MAX_GROUP],
+}
+
 /// Preallocated split-K scratch: the segment list and each segment's partial softmax state.
 pub struct AttnScratch {
     threads: usize,
     max_rows: usize,
-    /// Floats per segment: `n_heads * (head_dim + 2)` bounds `group * (head_dim + 2)`.
-    slot: usize,
     segments: Vec<Segment>,
+    /// `[group * hd acc | group max | group sum]` per segment.
     parts: Vec<f32>,
 }
 
 impl AttnScratch {
     /// Scratch for batches of up to `max_rows` query rows of a model with `n_heads` query heads of
-    /// `head_dim`, run on `threads` threads (the count split-K plans for).
+    /// `head_dim`, run on `threads` threads (the count split-K plans for; results do not depend
+    /// on it).
     pub fn new(max_rows: usize, n_heads: usize, head_dim: usize, threads: usize) -> AttnScratch {
         let threads = threads.max(1);
-        // Split-K runs only while tasks < TASKS_PER_THREAD * threads, and gives each task at most
-        // ceil(TASKS_PER_THREAD * threads / tasks) segments: fewer than 2x that many in all.
-        let cap = 2 * TASKS_PER_THREAD * threads;
-        let slot = n_heads * (head_dim + 2);
+        // At least one segment per task that split-K can plan for.
+        let floats = PARTS_FLOATS.max(TASKS_PER_THREAD * threads * n_heads * (head_dim + 2));
         AttnScratch {
             threads,
             max_rows,
-            slot,
-            segments: Vec::with_capacity(cap),
-            parts: vec![0.0; cap * slot],
+            // A part holds at least head_dim + 2 floats.
+            segments: Vec::with_capacity(floats / (head_dim + 2).max(1)),
+            parts: vec![0.0; floats],
         }
-    }
-
-    fn capacity(&self) -> usize {
-        self.segments.capacity()
     }
 }
 
-/// Whether to split rows into key segments.
+/// How to run the segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Split {
+    /// Split-K when the batch has few tasks, else one task per (row, K/V head).
     Auto,
-    /// One task per (row, kv head) always (the tests' baseline).
+    /// One task per (row, K/V head) always (the tests' baseline).
     #[cfg_attr(not(test), allow(dead_code))]
     Never,
 }
@@ -285,6 +300,16 @@ impl<E> Ctx<'_, E> {
     }
 }
 
+/// Segment `j` of a row whose visible keys are `lo..=hi`.
+fn segment(lo: usize, hi: usize, j: usize) -> (usize, usize) {
+    (lo.max(j * SEGMENT), hi.min((j + 1) * SEGMENT - 1))
+}
+
+/// The segment indices `j` of a row whose visible keys are `lo..=hi`.
+fn segment_range(lo: usize, hi: usize) -> std::ops::RangeInclusive<usize> {
+    lo / SEGMENT..=hi / SEGMENT
+}
+
 fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: Isa, split: Split) {
     let (hd, group) = (c.hd, c.group);
     if split == Split::Auto && plan_segments(c, scratch) {
@@ -298,9 +323,12 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
             .zip(segments.par_iter())
             .for_each(|(p, s)| {
                 let a = c.group_args(s.t as usize, s.g as usize, s.lo as usize, s.hi as usize);
-                kernel(isa, &a, p, true);
+                let (acc, st) = p.split_at_mut(group * hd);
+                let state = kernel(isa, &a, acc);
+                st[..group].copy_from_slice(&state.mx[..group]);
+                st[group..].copy_from_slice(&state.sum[..group]);
             });
-        // Segments of one (row, head) are consecutive.
+        // Segments of one (row, head) are consecutive, in key order.
         let mut i = 0;
         while i < n {
             let s0 = segments[i];
@@ -310,7 +338,22 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
             }
             let o =
                 &mut out[(s0.t as usize * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
-            merge(&parts[i * slot..e * slot], group, hd, o);
+            let part = |p: &[f32]| {
+                let mut st = State {
+                    mx: [0.0; MAX_GROUP],
+                    sum: [0.0; MAX_GROUP],
+                };
+                st.mx[..group].copy_from_slice(&p[group * hd..group * hd + group]);
+                st.sum[..group].copy_from_slice(&p[group * hd + group..slot]);
+                st
+            };
+            let first = &parts[i * slot..(i + 1) * slot];
+            o.copy_from_slice(&first[..group * hd]);
+            let mut state = part(first);
+            for p in parts[(i + 1) * slot..e * slot].chunks_exact(slot) {
+                combine(o, &mut state, &p[..group * hd], &part(p), group, hd);
+            }
+            finish(o, &state, group, hd);
             i = e;
         }
         return;
@@ -321,80 +364,97 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
         .for_each(|(i, o)| {
             let (t, g) = (i / c.kvh, i % c.kvh);
             let (lo, hi) = visible(&c.rows[t], c.window);
-            kernel(isa, &c.group_args(t, g, lo, hi), o, false);
+            let mut js = segment_range(lo, hi);
+            let (a, b) = segment(lo, hi, *js.start());
+            let mut state = kernel(isa, &c.group_args(t, g, a, b), o);
+            js.next();
+            if !js.is_empty() {
+                // The next segment's accumulators: only `group * hd` of the stack buffer are
+                // used, so only those are initialised (zeroing all 16 KiB per task is
+                // measurable in prefill).
+                let mut buf = [MaybeUninit::<f32>::uninit(); MAX_GROUP * MAX_HEAD_DIM];
+                let need = group * hd;
+                // SAFETY: `need <= buf.len()` (group and hd were checked against the maxima);
+                // the first `need` floats are written before the slice is made.
+                let acc = unsafe {
+                    let p = buf.as_mut_ptr().cast::<f32>();
+                    std::ptr::write_bytes(p, 0, need);
+                    std::slice::from_raw_parts_mut(p, need)
+                };
+                for j in js {
+                    let (a, b) = segment(lo, hi, j);
+                    let next = kernel(isa, &c.group_args(t, g, a, b), acc);
+                    combine(o, &mut state, acc, &next, group, hd);
+                }
+            }
+            finish(o, &state, group, hd);
         });
 }
 
-/// Fills `scratch.segments` with a split-K plan; false when splitting does not pay (enough tasks
-/// already, or no row long enough to split).
+/// Fills `scratch.segments` with the split-K plan: every row's segments, per K/V head, in key
+/// order. False when split-K does not pay (enough tasks already, or no row with two segments)
+/// or does not fit the scratch.
 fn plan_segments<E>(c: &Ctx<E>, scratch: &mut AttnScratch) -> bool {
     let tasks = c.rows.len() * c.kvh;
-    let want = TASKS_PER_THREAD * scratch.threads;
-    if tasks == 0
-        || tasks >= want
-        || c.rows.len() > scratch.max_rows
-        || c.group * (c.hd + 2) > scratch.slot
+    if tasks == 0 || tasks >= TASKS_PER_THREAD * scratch.threads || c.rows.len() > scratch.max_rows
     {
         return false;
     }
-    let target = want.div_ceil(tasks);
-    let seg_len = |n: usize| {
-        let segs = target.min(n / MIN_SEGMENT).max(1);
-        n.div_ceil(segs).next_multiple_of(TILE)
-    };
     let total: usize = c
         .rows
         .iter()
         .map(|r| {
             let (lo, hi) = visible(r, c.window);
-            let n = hi + 1 - lo;
-            n.div_ceil(seg_len(n)) * c.kvh
+            segment_range(lo, hi).count() * c.kvh
         })
         .sum();
-    if total == tasks || total > scratch.capacity() {
+    let slot = c.group * (c.hd + 2);
+    if total == tasks || total * slot > scratch.parts.len() || total > scratch.segments.capacity() {
         return false;
     }
     scratch.segments.clear();
     for (t, r) in c.rows.iter().enumerate() {
         let (lo, hi) = visible(r, c.window);
-        let len = seg_len(hi + 1 - lo);
         for g in 0..c.kvh {
-            let mut s = lo;
-            while s <= hi {
-                let e = (s + len - 1).min(hi);
+            for j in segment_range(lo, hi) {
+                let (a, b) = segment(lo, hi, j);
                 scratch.segments.push(Segment {
                     t: t as u32,
                     g: g as u32,
-                    lo: s as u32,
-                    hi: e as u32,
+                    lo: a as u32,
+                    hi: b as u32,
                 });
-                s = e + 1;
             }
         }
     }
     true
 }
 
-/// Merges segments' partial states (each `[group * hd acc | group max | group sum]`) into the
-/// normalised output of one (row, kv head).
-fn merge(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
-    let slot = group * (hd + 2);
+/// Merges the next segment (accumulators `acc_b`, state `b`) into the running ones (`acc`,
+/// `state`) of one (row, K/V head): both rescaled to the larger max. Plain element-wise
+/// arithmetic, the same wherever it runs.
+fn combine(acc: &mut [f32], state: &mut State, acc_b: &[f32], b: &State, group: usize, hd: usize) {
     for h in 0..group {
-        let m = parts
-            .chunks_exact(slot)
-            .fold(f32::NEG_INFINITY, |m, p| m.max(p[group * hd + h]));
-        let o = &mut out[h * hd..(h + 1) * hd];
-        o.fill(0.0);
-        let mut sum = 0.0;
-        for p in parts.chunks_exact(slot) {
-            let w = (p[group * hd + h] - m).exp();
-            sum += w * p[group * hd + group + h];
-            for (x, &a) in o.iter_mut().zip(&p[h * hd..(h + 1) * hd]) {
-                *x += w * a;
-            }
+        let m = state.mx[h].max(b.mx[h]);
+        let ca = fast_exp(state.mx[h] - m);
+        let cb = fast_exp(b.mx[h] - m);
+        state.mx[h] = m;
+        state.sum[h] = state.sum[h] * ca + b.sum[h] * cb;
+        for (x, &y) in acc[h * hd..(h + 1) * hd]
+            .iter_mut()
+            .zip(&acc_b[h * hd..(h + 1) * hd])
+        {
+            *x = *x * ca + y * cb;
         }
-        let inv = 1.0 / sum;
-        for x in o.iter_mut() {
+    }
+}
+
+/// Normalises accumulated rows by their sums.
+fn finish(acc: &mut [f32], state: &State, group: usize, hd: usize) {
+    for h in 0..group {
+        // The last key is always visible, so sum >= 1.
+        let inv = 1.0 / state.sum[h];
+        for x in acc[h * hd..(h + 1) * hd].iter_mut() {
             *x *= inv;
         }
     }
@@ -441,27 +501,28 @@ impl KvElem for f16 {
     }
 }
 
-fn kernel<E: KvElem>(isa: Isa, a: &Group<E>, out: &mut [f32], partial: bool) {
+/// One segment through [`attend`] on `isa`.
+fn kernel<E: KvElem>(isa: Isa, a: &Group<E>, acc: &mut [f32]) -> State {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: detect_isa checked the features (tests only pass ISAs they detected).
-        Isa::Avx512 => unsafe { attend_avx512(a, out, partial) },
+        Isa::Avx512 => unsafe { attend_avx512(a, acc) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { attend_avx2(a, out, partial) },
-        Isa::Plain => attend::<Plain, E>(a, out, partial),
+        Isa::Avx2 => unsafe { attend_avx2(a, acc) },
+        Isa::Plain => attend::<Plain, E>(a, acc),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn attend_avx512<E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
-    attend::<Avx512, E>(a, out, partial)
+unsafe fn attend_avx512<E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
+    attend::<Avx512, E>(a, acc)
 }
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
-    attend::<Avx2, E>(a, out, partial)
+unsafe fn attend_avx2<E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
+    attend::<Avx2, E>(a, acc)
 }
 
 /// The vector primitives of the attention loop, per ISA.
@@ -875,19 +936,19 @@ fn lane_sum(x: &[f32; TILE]) -> f32 {
     m.iter().sum()
 }
 
-/// Streaming (online) softmax over keys `lo..=hi`, TILE keys at a time: scores for the tile go to
-/// a small stack buffer, the running max/sum and the output accumulators are rescaled once per
-/// tile. Each K and V row is read once for all query heads of the group. Writes the normalised
-/// output `[group, hd]`, or with `partial` the unnormalised state
-/// `[group * hd acc | group max | group sum]` for a later merge.
+/// Streaming (online) softmax over the keys `lo..=hi` of one segment, TILE keys at a time from
+/// `lo`: scores for the tile go to a small stack buffer, the running max/sum and the output
+/// accumulators are rescaled once per tile. Each K and V row is read once for all query heads of
+/// the group. Writes the unnormalised accumulators `[group, hd]` into `acc` and returns the
+/// segment's state: per head, the running max and the sum of exponentials.
 // Scores are indexed [head][key] from both loop orders; index loops read clearest here.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
+fn attend<V: Vops, E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
     let (hd, kvh, bs) = (a.c.hd, a.c.kvh, a.c.bs);
     let group = a.c.group;
     // The output accumulates in place: no per-call stack array to zero beyond what is used.
-    let (acc, state) = out.split_at_mut(group * hd);
+    let acc = &mut acc[..group * hd];
     acc.fill(0.0);
     let mut mx = [f32::NEG_INFINITY; MAX_GROUP];
     let mut sum = [0f32; MAX_GROUP];
@@ -968,18 +1029,7 @@ fn attend<V: Vops, E: KvElem>(a: &Group<E>, out: &mut [f32], partial: bool) {
         }
         j0 += cnt;
     }
-    if partial {
-        state[..group].copy_from_slice(&mx[..group]);
-        state[group..2 * group].copy_from_slice(&sum[..group]);
-        return;
-    }
-    for h in 0..group {
-        // The last key is always visible, so sum >= 1.
-        let inv = 1.0 / sum[h];
-        for x in acc[h * hd..(h + 1) * hd].iter_mut() {
-            *x *= inv;
-        }
-    }
+    State { mx, sum }
 }
 
 /// Naive reference: dense scores and softmax in f64 (on the stored values, f16 widened exactly).
@@ -1123,7 +1173,6 @@ mod tests {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let mut want = vec![0.0; q.len()];
         reference(&q, &rows, &tables, &kv, n_heads, scale, window, &mut want);
-        let max_out = want.iter().fold(0f32, |m, &x| m.max(x.abs()));
 
         let mut got = vec![f32::NAN; q.len()];
         let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, 2);
@@ -1203,10 +1252,11 @@ mod tests {
                 };
                 splits += planned as usize;
                 check(&split, &format!("{isa:?} split-K for {threads} threads"));
-                // Split and unsplit agree to 1e-5 of the output's magnitude.
+                // Split and unsplit agree to the bit.
                 for i in 0..q.len() {
-                    assert!(
-                        (split[i] - unsplit[i]).abs() <= 1e-5 * max_out,
+                    assert_eq!(
+                        split[i].to_bits(),
+                        unsplit[i].to_bits(),
                         "{isa:?} {threads} threads: split {} vs unsplit {} at {i}",
                         split[i],
                         unsplit[i]
@@ -1359,7 +1409,10 @@ mod tests {
         };
         let mut scratch = AttnScratch::new(4, 9, 64, 2);
         assert!(plan_segments(&c, &mut scratch));
-        // 6 tasks for 2 threads: 2 segments each for the long row; the short one stays whole.
+        // 6 tasks for 2 threads: the long row in its fixed segments of 128 keys (the last one
+        // partial); the short one whole.
+        let mut long: Vec<(u32, u32)> = (0..23).map(|j| (128 * j, 128 * j + 127)).collect();
+        long.push((2944, 2999));
         for g in 0..3u32 {
             let segs: Vec<_> = scratch
                 .segments
@@ -1367,7 +1420,7 @@ mod tests {
                 .filter(|s| s.t == 0 && s.g == g)
                 .map(|s| (s.lo, s.hi))
                 .collect();
-            assert_eq!(segs, vec![(0, 1503), (1504, 2999)]);
+            assert_eq!(segs, long);
             let short: Vec<_> = scratch
                 .segments
                 .iter()
@@ -1376,9 +1429,158 @@ mod tests {
                 .collect();
             assert_eq!(short, vec![(0, 99)]);
         }
+        // A sliding window cuts the first segment, not the grid.
+        let c = Ctx {
+            window: Some(1000),
+            ..c
+        };
+        assert!(plan_segments(&c, &mut scratch));
+        let segs: Vec<_> = scratch
+            .segments
+            .iter()
+            .filter(|s| s.t == 0 && s.g == 0)
+            .map(|s| (s.lo, s.hi))
+            .collect();
+        assert_eq!(segs[..2], [(2000, 2047), (2048, 2175)]);
+        assert_eq!(segs.last(), Some(&(2944, 2999)));
         // Enough tasks already: no split.
         let mut scratch = AttnScratch::new(4, 9, 64, 1);
         assert!(!plan_segments(&c, &mut scratch));
+    }
+
+    /// A row's output is bitwise the same alone and in batches of 1 to 40 rows (decode rows of
+    /// other sequences and runs of consecutive prefill rows, short and long), whichever way the
+    /// segments run (split-K planned for 1, 2 or 8 threads, or never) and on 1 to 3 threads:
+    /// long (3000-key) and short target rows, with and without a sliding window, f32 and f16
+    /// K/V, every ISA.
+    #[test]
+    fn attention_rows_are_batch_invariant() {
+        let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+        let seq_lens = [3000usize, 700, 300, 45];
+        let mut rng = Rng(31);
+        let blocks_per: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
+        let num_blocks: usize = blocks_per.iter().sum();
+        let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..ids.len()).rev() {
+            let j = (rng.next_u() % (i as u64 + 1)) as usize;
+            ids.swap(i, j);
+        }
+        let mut starts = Vec::new();
+        let mut st = 0;
+        for &b in &blocks_per {
+            starts.push(st);
+            st += b;
+        }
+        let len = num_blocks * bs * kvh * hd;
+        let k: Vec<f32> = (0..len).map(|_| rng.next() * 2.0).collect();
+        let v: Vec<f32> = (0..len).map(|_| rng.next()).collect();
+        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
+        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let row = |sq: usize, pos: usize| AttnRow {
+            pos: pos as u32,
+            table_start: starts[sq] as u32,
+            table_len: blocks_per[sq] as u32,
+        };
+        // Queries are drawn per (sequence, position): a row brings the same q into any batch.
+        let qrow = |sq: usize, pos: usize| -> Vec<f32> {
+            let mut r = Rng(1000 * sq as u64 + pos as u64 + 1);
+            (0..n_heads * hd).map(|_| r.next() * 2.0).collect()
+        };
+        // Other rows to mix in: decode rows of every sequence, then a prefill run of sequence 1.
+        let mut others: Vec<(usize, usize)> = vec![(0, 2500), (1, 699), (2, 299), (3, 44)];
+        others.extend((600..640).map(|p| (1, p)));
+        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
+            .iter()
+            .map(|&t| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        for (dt, kd, vd) in [
+            ("f32", KvData::F32(&k), KvData::F32(&v)),
+            ("f16", KvData::F16(&k16), KvData::F16(&v16)),
+        ] {
+            let kv = KvLayer {
+                k: kd,
+                v: vd,
+                block_size: bs,
+                kv_heads: kvh,
+                head_dim: hd,
+            };
+            for window in [None, Some(1000)] {
+                for isa in isas() {
+                    for target in [(0usize, 2999usize), (2, 130), (3, 40)] {
+                        let tq = qrow(target.0, target.1);
+                        let mut alone = vec![f32::NAN; tq.len()];
+                        paged_attention_with(
+                            &tq,
+                            &[row(target.0, target.1)],
+                            &ids,
+                            &kv,
+                            n_heads,
+                            scale,
+                            window,
+                            &mut alone,
+                            &mut AttnScratch::new(1, n_heads, hd, 2),
+                            isa,
+                            Split::Auto,
+                        );
+                        for (bi, &size) in [1usize, 2, 3, 5, 8, 13, 24, 40].iter().enumerate() {
+                            // The target at a varying place among size - 1 others.
+                            let at = (bi * 7) % size;
+                            let mut batch: Vec<(usize, usize)> = others
+                                .iter()
+                                .cycle()
+                                .skip(bi)
+                                .take(size - 1)
+                                .copied()
+                                .collect();
+                            batch.insert(at, target);
+                            let rows: Vec<AttnRow> =
+                                batch.iter().map(|&(sq, p)| row(sq, p)).collect();
+                            let q: Vec<f32> =
+                                batch.iter().flat_map(|&(sq, p)| qrow(sq, p)).collect();
+                            let runs = [(1, Split::Auto), (2, Split::Auto), (8, Split::Auto)]
+                                .into_iter()
+                                .chain([(2, Split::Never)]);
+                            for (pi, (threads, split)) in runs.enumerate() {
+                                let mut got = vec![f32::NAN; q.len()];
+                                let mut scratch = AttnScratch::new(size, n_heads, hd, threads);
+                                pools[pi % 3].install(|| {
+                                    paged_attention_with(
+                                        &q,
+                                        &rows,
+                                        &ids,
+                                        &kv,
+                                        n_heads,
+                                        scale,
+                                        window,
+                                        &mut got,
+                                        &mut scratch,
+                                        isa,
+                                        split,
+                                    )
+                                });
+                                let w = n_heads * hd;
+                                let same = got[at * w..(at + 1) * w]
+                                    .iter()
+                                    .zip(&alone)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                                assert!(
+                                    same,
+                                    "{isa:?} {dt} K/V, window {window:?}: row {target:?} \
+                                     differs in a batch of {size} (at {at}), split-K for \
+                                     {threads} threads, {split:?}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 
