@@ -521,8 +521,9 @@ async def test_close_ends_open_streams_with_engine_stopped(model_dir: MakeModel)
         with pytest.raises(EngineStopped):
             async for _ in stream:
                 pass
-    with pytest.raises(EngineStopped):
+    with pytest.raises(EngineStopped) as e:
         engine.generate([5], max_tokens=2)
+    assert str(e.value) == "the engine is closed"
     with pytest.raises(EngineStopped):
         await engine.complete([5], max_tokens=2)
     assert engine.stats()["stopped"] == "the engine was closed"
@@ -563,8 +564,9 @@ async def test_a_fault_in_the_engine_loop_ends_streams_and_stops_the_engine(
             pass
     assert str(e.value) == "engine fault: panic: injected fault"
     assert engine.stats()["stopped"] == "engine fault: panic: injected fault"
-    with pytest.raises(EngineStopped):
+    with pytest.raises(EngineStopped) as e:
         engine.generate([5], max_tokens=2)
+    assert str(e.value) == "the engine stopped: engine fault: panic: injected fault"
     await engine.close()
 
 

@@ -252,7 +252,7 @@ impl Engine {
                 )));
             }
         }
-        let tx = self.tx.as_ref().ok_or_else(stopped)?;
+        let tx = self.live_sender()?;
         let max_waiting = self.info.max_waiting;
         if self
             .queued
@@ -278,7 +278,7 @@ impl Engine {
         };
         if tx.send(Command::Submit(req)).is_err() {
             self.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(stopped());
+            return Err(self.stopped_error());
         }
         Ok(Submission { id, events, cancel })
     }
@@ -361,8 +361,29 @@ impl Engine {
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
-        let tx = self.tx.as_ref().ok_or_else(stopped)?;
-        tx.send(cmd).map_err(|_| stopped())
+        self.live_sender()?
+            .send(cmd)
+            .map_err(|_| self.stopped_error())
+    }
+
+    /// The channel to the engine thread, unless the engine is closed or its loop has stopped
+    /// (the thread publishes why before it tells any stream, so no request slips in between).
+    fn live_sender(&self) -> Result<&mpsc::Sender<Command>> {
+        let stopped = self.lock_stats().stopped.is_some();
+        match (&self.tx, stopped) {
+            (Some(tx), false) => Ok(tx),
+            _ => Err(self.stopped_error()),
+        }
+    }
+
+    fn stopped_error(&self) -> StrataError {
+        let why = self.lock_stats().stopped.clone();
+        match why {
+            Some(why) if self.tx.is_some() => {
+                StrataError::EngineStopped(format!("the engine stopped: {why}"))
+            }
+            _ => stopped(),
+        }
     }
 
     /// Stops the engine thread after the step in progress; every open stream ends with
