@@ -1084,7 +1084,7 @@ pub fn reference(
 mod tests {
     use super::*;
 
-    use crate::model::kernels::cpu::test_rng::Rng;
+    use crate::model::kernels::cpu::test_rng::{thread_pools, Rng};
 
     #[derive(Clone, Copy, PartialEq, Eq)]
     enum Dt {
@@ -1489,15 +1489,7 @@ mod tests {
         // Other rows to mix in: decode rows of every sequence, then a prefill run of sequence 1.
         let mut others: Vec<(usize, usize)> = vec![(0, 2500), (1, 699), (2, 299), (3, 44)];
         others.extend((600..640).map(|p| (1, p)));
-        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let pools = thread_pools(&[1, 2, 3]);
         let scale = 1.0 / (hd as f32).sqrt();
         for (dt, kd, vd) in [
             ("f32", KvData::F32(&k), KvData::F32(&v)),

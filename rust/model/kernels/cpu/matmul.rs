@@ -1086,7 +1086,7 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    use crate::model::kernels::cpu::test_rng::Rng;
+    use crate::model::kernels::cpu::test_rng::{thread_pools, Rng};
 
     /// Tolerance: 1e-4 relative to sum |x*w| (the scale of rounding in any summation order).
     fn check(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, got: &[f32]) {
@@ -1268,15 +1268,7 @@ mod tests {
         let bias = rng.vec(m);
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
-        let pools: Vec<rayon::ThreadPool> = [1, 2, 3]
-            .iter()
-            .map(|&t| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(t)
-                    .build()
-                    .unwrap()
-            })
-            .collect();
+        let pools = thread_pools(&[1, 2, 3]);
         for data in [
             WeightData::F32(&wf),
             WeightData::F16(&wh),

@@ -1,5 +1,5 @@
-//! The kernel tests' deterministic random numbers (xorshift64): no rand crate, and a failure
-//! reproduces from its seed.
+//! What the kernel tests share: deterministic random numbers (xorshift64: no rand crate, and a
+//! failure reproduces from its seed), and thread pools of given sizes for invariance checks.
 
 pub struct Rng(pub u64);
 
@@ -19,4 +19,17 @@ impl Rng {
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.next()).collect()
     }
+}
+
+/// One rayon pool per thread count: a kernel's result must not depend on which one runs it.
+pub fn thread_pools(counts: &[usize]) -> Vec<rayon::ThreadPool> {
+    counts
+        .iter()
+        .map(|&t| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(t)
+                .build()
+                .expect("a test thread pool")
+        })
+        .collect()
 }
