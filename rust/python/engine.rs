@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
-use pyo3_async_runtimes::tokio::future_into_py;
 
+use super::awaitable::spawn_awaitable;
 use super::errors::to_pyerr;
 use super::json::py_to_json;
 use super::output::completion;
@@ -34,14 +34,12 @@ fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
     engine.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn join_error(e: tokio::task::JoinError) -> PyErr {
-    to_pyerr(StrataError::Internal(format!("engine task failed: {e}")))
+fn join_error(e: tokio::task::JoinError) -> StrataError {
+    StrataError::Internal(format!("engine task failed: {e}"))
 }
 
-fn stopped_error() -> PyErr {
-    to_pyerr(StrataError::EngineStopped(
-        "the engine thread stopped before answering".into(),
-    ))
+fn stopped_error() -> StrataError {
+    StrataError::EngineStopped("the engine thread stopped before answering".into())
 }
 
 /// Token ids from Python ints, each checked to be a non-negative 32-bit id.
@@ -208,23 +206,23 @@ impl PyEngine {
             kv_memory_mib: usize_arg(kv_memory_mib, "kv_memory_mib")?,
             max_context: usize_arg(max_context, "max_context")?,
         };
-        future_into_py(py, async move {
-            let engine = tokio::task::spawn_blocking(move || Engine::load(&path, opts))
+        let load = async move {
+            tokio::task::spawn_blocking(move || Engine::load(&path, opts))
                 .await
                 .map_err(join_error)?
-                .map_err(to_pyerr)?;
-            Python::attach(|py| {
-                let tokenizer = Py::new(
-                    py,
-                    PyTokenizer {
-                        inner: engine.tokenizer().clone(),
-                    },
-                )?;
-                Ok(PyEngine {
-                    engine: Arc::new(Mutex::new(engine)),
-                    tokenizer,
-                })
-            })
+        };
+        spawn_awaitable(py, load, |py, engine: Engine| {
+            let tokenizer = Py::new(
+                py,
+                PyTokenizer {
+                    inner: engine.tokenizer().clone(),
+                },
+            )?;
+            let engine = PyEngine {
+                engine: Arc::new(Mutex::new(engine)),
+                tokenizer,
+            };
+            Ok(Py::new(py, engine)?.into_any())
         })
     }
 
@@ -287,12 +285,14 @@ impl PyEngine {
         let (n, want_logprobs) = (params.n, params.logprobs.is_some());
         let Submission { events, cancel, .. } = self.submit(py, ids, params)?;
         let tok = self.tokenizer_arc();
-        future_into_py(py, async move {
+        let work = async move {
             // Dropped with this future (the caller's task cancelled): the request is cancelled.
             let _cancel_on_drop = CancelOnDrop(cancel);
             let mut state = StreamState::new(events);
-            let (choices, usage) = collect(&mut state, n).await.map_err(to_pyerr)?;
-            Python::attach(|py| completion(py, &tok, choices, usage, want_logprobs))
+            collect(&mut state, n).await
+        };
+        spawn_awaitable(py, work, move |py, (choices, usage)| {
+            Ok(Py::new(py, completion(py, &tok, choices, usage, want_logprobs)?)?.into_any())
         })
     }
 
@@ -321,18 +321,16 @@ impl PyEngine {
                 engine.info().config.vocab_size,
             )
         };
-        future_into_py(py, async move {
-            let logits = rx.await.map_err(|_| stopped_error())?.map_err(to_pyerr)?;
-            Python::attach(|py| -> PyResult<Py<PyAny>> {
-                // SAFETY: viewing initialized f32s as bytes.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(logits.as_ptr() as *const u8, logits.len() * 4)
-                };
-                let buf = PyByteArray::new(py, bytes);
-                let np = py.import("numpy")?;
-                let arr = np.call_method1("frombuffer", (buf, np.getattr("float32")?))?;
-                Ok(arr.call_method1("reshape", (n, vocab))?.unbind())
-            })
+        let work = async move { rx.await.map_err(|_| stopped_error())? };
+        spawn_awaitable(py, work, move |py, logits: Vec<f32>| {
+            // SAFETY: viewing initialized f32s as bytes.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(logits.as_ptr() as *const u8, logits.len() * 4)
+            };
+            let buf = PyByteArray::new(py, bytes);
+            let np = py.import("numpy")?;
+            let arr = np.call_method1("frombuffer", (buf, np.getattr("float32")?))?;
+            Ok(arr.call_method1("reshape", (n, vocab))?.unbind())
         })
     }
 
@@ -353,38 +351,36 @@ impl PyEngine {
             repeats,
         };
         let rx = lock(&self.engine).bench(spec).map_err(to_pyerr)?;
-        future_into_py(py, async move {
-            let r = rx.await.map_err(|_| stopped_error())?.map_err(to_pyerr)?;
-            Python::attach(|py| -> PyResult<Py<PyAny>> {
-                let d = PyDict::new(py);
-                d.set_item(
-                    "prefill_tok_s",
-                    r.prefill
-                        .into_iter()
-                        .collect::<std::collections::BTreeMap<_, _>>(),
-                )?;
-                d.set_item(
-                    "decode_tok_s",
-                    r.decode
-                        .into_iter()
-                        .collect::<std::collections::BTreeMap<_, _>>(),
-                )?;
-                d.set_item("decode_weight_bytes", r.decode_weight_bytes)?;
-                d.set_item(
-                    "read_bandwidth_gb_s",
-                    r.read_bandwidth
-                        .into_iter()
-                        .collect::<std::collections::BTreeMap<_, _>>(),
-                )?;
-                Ok(d.into_any().unbind())
-            })
+        let work = async move { rx.await.map_err(|_| stopped_error())? };
+        spawn_awaitable(py, work, |py, r: crate::bench::BenchReport| {
+            let d = PyDict::new(py);
+            d.set_item(
+                "prefill_tok_s",
+                r.prefill
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+            )?;
+            d.set_item(
+                "decode_tok_s",
+                r.decode
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+            )?;
+            d.set_item("decode_weight_bytes", r.decode_weight_bytes)?;
+            d.set_item(
+                "read_bandwidth_gb_s",
+                r.read_bandwidth
+                    .into_iter()
+                    .collect::<std::collections::BTreeMap<_, _>>(),
+            )?;
+            Ok(d.into_any().unbind())
         })
     }
 
     /// Stops the engine thread. Awaitable; idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let engine = self.engine.clone();
-        future_into_py(py, async move {
+        let work = async move {
             let thread = lock(&engine).begin_close();
             if let Some(t) = thread {
                 tokio::task::spawn_blocking(move || {
@@ -395,7 +391,8 @@ impl PyEngine {
                 .map_err(join_error)?;
             }
             Ok(())
-        })
+        };
+        spawn_awaitable(py, work, |py, ()| Ok(py.None()))
     }
 
     #[getter]

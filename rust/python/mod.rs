@@ -1,5 +1,6 @@
 //! The PyO3 binding layer: translation only, one file per exposed type. Logic lives in the core.
 
+mod awaitable;
 mod engine;
 mod errors;
 mod json;
@@ -31,6 +32,7 @@ fn cuda_devices(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    awaitable::register(m)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<tokenizer::PyTokenizer>()?;
     m.add_class::<sampling_params::PySamplingParams>()?;

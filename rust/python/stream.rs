@@ -10,11 +10,10 @@ use std::sync::Arc;
 
 use pyo3::exceptions::PyStopAsyncIteration;
 use pyo3::prelude::*;
-use pyo3_async_runtimes::tokio::future_into_py;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Mutex as AsyncMutex;
 
-use super::errors::to_pyerr;
+use super::awaitable::spawn_awaitable;
 use super::output::{chunk, ChoiceAcc};
 use crate::engine::request::{CancelFlag, Delta, Event, Usage};
 use crate::error::StrataError;
@@ -164,13 +163,10 @@ impl PyTokenStream {
         let state = self.state.clone();
         let tokenizer = self.tokenizer.clone();
         let want_logprobs = self.want_logprobs;
-        future_into_py(py, async move {
-            let next = state.lock().await.next_delta().await;
-            match next {
-                Ok(Some(d)) => Python::attach(|py| chunk(py, &tokenizer, d, want_logprobs)),
-                Ok(None) => Err(PyStopAsyncIteration::new_err(())),
-                Err(e) => Err(to_pyerr(e)),
-            }
+        let work = async move { state.lock().await.next_delta().await };
+        spawn_awaitable(py, work, move |py, next| match next {
+            Some(d) => Ok(Py::new(py, chunk(py, &tokenizer, d, want_logprobs)?)?.into_any()),
+            None => Err(PyStopAsyncIteration::new_err(())),
         })
     }
 
@@ -183,7 +179,7 @@ impl PyTokenStream {
     /// Same as `cancel()`, awaitable, for `contextlib.aclosing`.
     fn aclose<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.cancel.cancel();
-        future_into_py(py, async { Ok(()) })
+        spawn_awaitable(py, async { Ok(()) }, |py, ()| Ok(py.None()))
     }
 
     #[getter]
