@@ -4,11 +4,13 @@
 //! - `device`: CPU and CUDA devices, the CUDA probe.
 //! - `model`: config, weights, tokenizer, the forward pass and its kernels.
 //! - `kv`: the paged K/V block pool.
+//! - `cache`: the conversation cache below the device: host tier, disk tier, moves.
 //! - `engine`: the engine thread and its request channel.
 //! - `bench`: the timing harness behind `strata-rs bench` and the criterion benches.
 //! - `python` (feature "python"): the PyO3 binding layer, one file per exposed type.
 
 pub mod bench;
+pub mod cache;
 pub mod device;
 pub mod engine;
 pub mod error;

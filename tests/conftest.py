@@ -27,3 +27,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's engines (and servers it starts) get their own user cache folder, so that the
+    disk tier never reads another test's conversations nor writes into the real ~/.cache."""
+    cache = tmp_path / "xdg-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    return cache

@@ -41,8 +41,15 @@ def prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
 
 
 async def solo(model: Path, prompt: Sequence[int] | str, **params: Any) -> Completion:
-    """The prompt alone on a fresh engine: the reference every batched output must equal."""
-    engine = await Engine.load(model, max_batch=1, max_context=params.pop("max_context", None))
+    """The prompt alone on a fresh engine, with no cache below the device (a cold prefill): the
+    reference every batched output must equal."""
+    engine = await Engine.load(
+        model,
+        max_batch=1,
+        max_context=params.pop("max_context", None),
+        host_cache_mib=0,
+        disk_cache_mib=0,
+    )
     try:
         return await engine.complete(
             list(prompt) if not isinstance(prompt, str) else prompt, **params

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,9 @@ async def wait_for(
 
 
 async def reference(model: Path, prompt: Any, chat: bool = False, **params: Any) -> Completion:
-    """The Python API's answer on a fresh engine (so the server's engine starts cold)."""
-    engine = await Engine.load(model, max_batch=1)
+    """The Python API's answer on a fresh engine (so the server's engine starts cold). Its disk
+    tier is off: a clean close would otherwise save its blocks for the server's engine to adopt."""
+    engine = await Engine.load(model, max_batch=1, disk_cache_mib=0)
     try:
         if chat:
             tok = engine.tokenizer
@@ -730,7 +732,9 @@ async def test_a_full_queue_answers_503_with_retry_after(model_dir: MakeModel) -
         await engine.close()
 
 
-async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel) -> None:
+async def test_models_tokenize_detokenize_cache_and_metrics(
+    model_dir: MakeModel, private_cache_dir: Path
+) -> None:
     model = model_dir("llama")
     engine = await Engine.load(model)
     tok = engine.tokenizer
@@ -768,22 +772,20 @@ async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel
             )
 
             empty = (await client.get("/v1/cache")).json()
+            block_bytes = engine.info["kv_block_bytes"]
+            assert [t["tier"] for t in empty.pop("tiers")] == ["device", "host", "disk"]
             assert empty == {
                 "object": "cache",
                 "block_size": 16,
-                "entry_bytes": engine.info["kv_block_bytes"],
-                "tiers": [
-                    {
-                        "tier": "device",
-                        "bytes": 0,
-                        "capacity_bytes": 16 * engine.info["kv_block_bytes"],
-                        "entries": 0,
-                        "hit_tokens": 0,
-                    }
-                ],
+                "entry_bytes": block_bytes,
                 "hit_tokens": 0,
                 "query_tokens": 0,
                 "hit_rate": 0.0,
+                "moves": [],
+                "refusals": {"ram": 0, "host_budget": 0, "disk_budget": 0, "device": 0},
+                "corrupt_files": 0,
+                "adopted_files": 0,
+                "last_restore": None,
             }
             ids = list(range(3, 53))  # 50 tokens: 3 full blocks
             body = {"prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -791,12 +793,38 @@ async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel
                 assert (await client.post(COMPLETIONS, json=body)).status_code == 200
             cache = (await client.get("/v1/cache")).json()
             s = engine.stats()
-            assert cache["tiers"][0]["entries"] == s["kv_blocks_cached"] >= 3
-            assert (
-                cache["tiers"][0]["bytes"] == s["kv_blocks_cached"] * engine.info["kv_block_bytes"]
-            )
+            assert s["kv_blocks_cached"] >= 3
+            # Nothing was evicted from the 16-block pool: the tiers below hold nothing yet.
+            assert cache["tiers"] == [
+                {
+                    "tier": "device",
+                    "enabled": True,
+                    "bytes": s["kv_blocks_cached"] * block_bytes,
+                    "capacity_bytes": 16 * block_bytes,
+                    "entries": s["kv_blocks_cached"],
+                    "hit_tokens": 48,
+                },
+                {
+                    "tier": "host",
+                    "enabled": True,
+                    "bytes": 0,
+                    "capacity_bytes": 4096 << 20,
+                    "entries": 0,
+                    "hit_tokens": 0,
+                },
+                {
+                    "tier": "disk",
+                    "enabled": True,
+                    "bytes": 0,
+                    "capacity_bytes": 16384 << 20,
+                    "entries": 0,
+                    "hit_tokens": 0,
+                    "dir": str(private_cache_dir / "strata-rs" / "kv"),
+                },
+            ]
             assert cache["hit_tokens"] == 48 and cache["query_tokens"] == 100
             assert cache["hit_rate"] == 0.48
+            assert cache["moves"] == [] and cache["last_restore"] is None
 
             text = (await client.get("/metrics")).text
             lines = set(text.splitlines())
@@ -808,8 +836,20 @@ async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel
                 "strata:kv_blocks_total 16.0",
                 f"strata:kv_blocks_cached {float(s['kv_blocks_cached'])}",
                 f'strata:cache_bytes{{tier="device"}} {float(cache["tiers"][0]["bytes"])}',
+                'strata:cache_bytes{tier="host"} 0.0',
+                'strata:cache_bytes{tier="disk"} 0.0',
+                f'strata:cache_blocks{{tier="device"}} {float(s["kv_blocks_cached"])}',
+                'strata:cache_blocks{tier="host"} 0.0',
                 "strata:prefix_cache_queries_total 100.0",
                 'strata:prefix_cache_hits_total{tier="device"} 48.0',
+                'strata:prefix_cache_hits_total{tier="host"} 0.0',
+                'strata:prefix_cache_hits_total{tier="disk"} 0.0',
+                'strata:cache_moves_total{from="device",result="ok",to="host"} 0.0',
+                'strata:cache_moves_total{from="disk",result="failed",to="device"} 0.0',
+                'strata:cache_move_bytes_total{from="host",to="device"} 0.0',
+                "strata:cache_corrupt_files_total 0.0",
+                'strata:admission_refusals_total{gate="ram"} 0.0',
+                'strata:admission_refusals_total{gate="device"} 0.0',
                 "strata:prompt_tokens_total 100.0",
                 "strata:generation_tokens_total 8.0",
                 "strata:requests_finished_total 2.0",
@@ -827,6 +867,260 @@ async def test_models_tokenize_detokenize_cache_and_metrics(model_dir: MakeModel
             assert 'strata:engine_step_seconds_bucket{le="+Inf"} ' in text
     finally:
         await engine.close()
+
+
+# ---- the conversation cache's tiers -------------------------------------------------------------
+
+
+def conversation(seed: int, length: int = 1200) -> list[int]:
+    """`length` token ids of one conversation (the tiny model's vocabulary has 512)."""
+    return [3 + (i * seed + seed) % 500 for i in range(length)]
+
+
+async def alternate(
+    client: httpx.AsyncClient, histories: list[list[int]], rounds: int
+) -> list[int]:
+    """Sends each history in turn, `rounds` times, each growing by 16 new ids a turn, so that
+    with `kv_memory_mib=1` (128 blocks) two 1200-token conversations push each other below the
+    device. Returns the cached_tokens of every request."""
+    cached = []
+    for _ in range(rounds):
+        for h in histories:
+            body = {"prompt": h, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            r = await client.post(COMPLETIONS, json=body)
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            h += [100 + len(h) % 300 + k for k in range(16)]
+    return cached
+
+
+def samples(text: str) -> dict[str, float]:
+    """The Prometheus text's samples: 'name{labels}' -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def moves_by_route(cache: dict[str, Any]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    return {(m["from"], m["to"], m["result"]): m for m in cache["moves"]}
+
+
+async def wait_for_log(caplog: pytest.LogCaptureFixture, text: str) -> str:
+    """Cache log lines reach Python logging from a forwarder thread: wait for one."""
+    for _ in range(200):
+        for r in caplog.records:
+            if text in r.getMessage():
+                return r.getMessage()
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no log line with {text!r}: {[r.getMessage() for r in caplog.records]}")
+
+
+async def test_cache_and_metrics_show_restores_from_the_host_tier(
+    model_dir: MakeModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="strata_rs.cache")
+    model = model_dir("llama", max_position_embeddings=4096)
+    # Floor 0: the RAM gate admits on any machine (its refusals have their own test).
+    engine = await Engine.load(
+        model,
+        kv_memory_mib=1,
+        host_cache_mib=64,
+        host_min_free_mib=0,
+        disk_cache_dir=tmp_path / "kv",
+    )
+    block_bytes = engine.info["kv_block_bytes"]
+    try:
+        async with asgi_client(engine) as client:
+            cached = await alternate(client, [conversation(1), conversation(7)], rounds=3)
+            # Every turn finds its whole previous prompt (full blocks) cached, though the device
+            # holds one conversation at a time: the rest came back from the host tier.
+            assert cached == [0, 0, 1200, 1200, 1216, 1216]
+            cache = (await client.get("/v1/cache")).json()
+            metrics = samples((await client.get("/metrics")).text)
+        s = engine.stats()
+    finally:
+        await engine.close()
+    c = s["cache"]
+    device, host, disk = cache["tiers"]
+    assert device == {
+        "tier": "device",
+        "enabled": True,
+        "bytes": c["tiers"]["device"]["bytes"],
+        "capacity_bytes": 128 * block_bytes,
+        "entries": c["tiers"]["device"]["blocks"],
+        "hit_tokens": s["prefix_hit_tokens"],
+    }
+    assert device["entries"] > 0 and device["bytes"] == device["entries"] * block_bytes
+    assert host["enabled"] and host["capacity_bytes"] == 64 << 20
+    assert host["entries"] == c["tiers"]["host"]["blocks"] > 0
+    assert host["bytes"] == host["entries"] * block_bytes
+    assert host["hit_tokens"] == c["hit_tokens"]["host"] > 0
+    assert host["hit_tokens"] % 16 == 0
+    assert disk["enabled"] and disk["dir"] == str(tmp_path / "kv")
+    assert disk["capacity_bytes"] == 16384 << 20
+    # The hits of all tiers are the cached tokens the requests reported.
+    assert device["hit_tokens"] + host["hit_tokens"] + disk["hit_tokens"] == sum(cached)
+    assert cache["hit_tokens"] == sum(cached)
+    assert cache["query_tokens"] == 2 * (1200 + 1216 + 1232)
+    assert cache["hit_rate"] == sum(cached) / cache["query_tokens"]
+
+    moves = moves_by_route(cache)
+    down = moves[("device", "host", "ok")]
+    up = moves[("host", "device", "ok")]
+    assert down["blocks"] > 0 and down["bytes"] == down["blocks"] * block_bytes
+    assert up["blocks"] * 16 == host["hit_tokens"] and up["bytes"] == up["blocks"] * block_bytes
+    last = cache["last_restore"]
+    assert last["tokens"] == last["from_host"] > 0 and last["from_disk"] == 0
+    assert last["bytes"] == last["tokens"] // 16 * block_bytes and last["seconds"] > 0
+    assert cache["corrupt_files"] == 0 and cache["adopted_files"] == 0
+
+    # prometheus-client writes labels sorted by name: from, result, to.
+    n_down, n_up = down["blocks"], up["blocks"]
+    assert metrics['strata:cache_moves_total{from="device",result="ok",to="host"}'] == n_down
+    assert metrics['strata:cache_moves_total{from="host",result="ok",to="device"}'] == n_up
+    assert metrics['strata:cache_moves_total{from="device",result="failed",to="host"}'] == 0
+    assert metrics['strata:cache_move_bytes_total{from="device",to="host"}'] == down["bytes"]
+    assert metrics['strata:cache_move_bytes_total{from="host",to="device"}'] == up["bytes"]
+    for tier in ("device", "host", "disk"):
+        t = cache["tiers"][("device", "host", "disk").index(tier)]
+        assert metrics[f'strata:cache_bytes{{tier="{tier}"}}'] == t["bytes"]
+        assert metrics[f'strata:cache_blocks{{tier="{tier}"}}'] == t["entries"]
+        assert metrics[f'strata:prefix_cache_hits_total{{tier="{tier}"}}'] == t["hit_tokens"]
+    line = await wait_for_log(caplog, f"restored {last['tokens']} tokens from host in ")
+    assert line.endswith(" GB/s)")
+
+
+async def test_cache_shows_the_disk_tier_across_a_restart(
+    model_dir: MakeModel, tmp_path: Path
+) -> None:
+    model = model_dir("llama", max_position_embeddings=4096)
+    kv = tmp_path / "kv"
+    histories = [conversation(1), conversation(7)]
+    # Host tier off: what leaves the device goes to disk. Floor 0: the disk tier's staging
+    # buffer passes the RAM gate on any machine.
+    options: dict[str, Any] = {"host_cache_mib": 0, "host_min_free_mib": 0, "disk_cache_dir": kv}
+    engine = await Engine.load(model, kv_memory_mib=1, **options)
+    block_bytes = engine.info["kv_block_bytes"]
+    try:
+        async with asgi_client(engine) as client:
+            assert await alternate(client, histories, rounds=2) == [0, 0, 1200, 1200]
+            cache = (await client.get("/v1/cache")).json()
+    finally:
+        await engine.close()  # a clean close writes every cached block to disk
+    _, host, disk = cache["tiers"]
+    assert host["enabled"] is False and host["capacity_bytes"] == 0 and host["entries"] == 0
+    assert disk["enabled"] and disk["dir"] == str(kv) and disk["entries"] > 0
+    # Disk bytes are file bytes: each block's payload and its header.
+    assert disk["bytes"] > disk["entries"] * block_bytes
+    assert disk["hit_tokens"] > 0
+    moves = moves_by_route(cache)
+    assert moves[("device", "disk", "ok")]["blocks"] > 0
+    assert moves[("disk", "device", "ok")]["blocks"] * 16 == disk["hit_tokens"]
+
+    # The last prompts (1216 tokens, 76 blocks each) are all on disk now. Cut one file short.
+    files = sorted(kv.glob("*.kvb"))
+    assert len(files) == 2 * 76
+    with open(files[0], "r+b") as f:
+        f.truncate(100)
+    engine = await Engine.load(model, kv_memory_mib=1, **options)
+    try:
+        async with asgi_client(engine) as client:
+            cache = (await client.get("/v1/cache")).json()
+            assert cache["adopted_files"] == 151 and cache["corrupt_files"] == 1
+            assert cache["tiers"][2]["entries"] == 151
+            cached = await alternate(client, histories, rounds=1)
+            cache = (await client.get("/v1/cache")).json()
+            metrics = samples((await client.get("/metrics")).text)
+    finally:
+        await engine.close()
+    # One conversation comes back whole from disk; the other up to the deleted block.
+    assert max(cached) == 1216 and min(cached) < 1216 and min(cached) % 16 == 0
+    device, _, disk = cache["tiers"]
+    assert device["hit_tokens"] == 0 and disk["hit_tokens"] == sum(cached)
+    up = moves_by_route(cache)[("disk", "device", "ok")]
+    assert up["blocks"] * 16 == sum(cached)
+    assert cache["last_restore"]["from_disk"] == cache["last_restore"]["tokens"]
+    assert metrics["strata:cache_corrupt_files_total"] == 1
+    assert metrics['strata:cache_moves_total{from="disk",result="ok",to="device"}'] == up["blocks"]
+    assert metrics['strata:prefix_cache_hits_total{tier="disk"}'] == sum(cached)
+
+
+async def test_ram_gate_refusals_show_in_cache_and_metrics(
+    model_dir: MakeModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="strata_rs.cache")
+    model = model_dir("llama", max_position_embeddings=4096)
+    # A floor no machine has: the RAM gate refuses every host copy; the requests still succeed.
+    engine = await Engine.load(
+        model, kv_memory_mib=1, host_cache_mib=64, host_min_free_mib=1 << 30, disk_cache_mib=0
+    )
+    try:
+        async with asgi_client(engine) as client:
+            cached = await alternate(client, [conversation(1), conversation(7)], rounds=2)
+            cache = (await client.get("/v1/cache")).json()
+            metrics = samples((await client.get("/metrics")).text)
+    finally:
+        await engine.close()
+    assert cached[:2] == [0, 0] and all(n < 1200 for n in cached)  # the device's leftovers
+    refused = cache["refusals"]["ram"]
+    assert refused > 0
+    assert cache["refusals"] == {"ram": refused, "host_budget": 0, "disk_budget": 0, "device": 0}
+    _, host, disk = cache["tiers"]
+    assert host["entries"] == 0 and host["hit_tokens"] == 0
+    assert disk["enabled"] is False and disk["dir"] is None
+    blocks = moves_by_route(cache)[("device", "host", "refused")]["blocks"]
+    assert blocks > 0
+    assert metrics['strata:admission_refusals_total{gate="ram"}'] == refused
+    assert metrics['strata:admission_refusals_total{gate="queue"}'] == 0
+    assert metrics['strata:cache_moves_total{from="device",result="refused",to="host"}'] == blocks
+    assert metrics['strata:cache_moves_total{from="device",result="ok",to="host"}'] == 0
+    line = await wait_for_log(caplog, "tokens to host: RAM gate, need ")
+    assert line.startswith("skip offload of ") and "MiB + 1073741824 MiB floor, " in line
+
+
+def test_serve_flags_reach_engine_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import inspect
+
+    import strata_rs.server.serve
+    from strata_rs.cli import main
+
+    got: list[dict[str, Any]] = []
+
+    def fake_serve(model: Path | None, engine_options: dict[str, Any], **kwargs: Any) -> int:
+        got.append(engine_options)
+        return 0
+
+    monkeypatch.setattr(strata_rs.server.serve, "serve", fake_serve)
+    # Without flags: exactly Engine.load's defaults, so the flags never drift from the engine.
+    assert main(["serve"]) == 0
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(Engine.load).parameters.items()
+        if name != "path"
+    }
+    assert got.pop() == defaults
+    flags = [
+        "serve",
+        "--host-cache-mib", "64",
+        "--host-min-free-mib", "0",
+        "--disk-cache-dir", str(tmp_path / "kv"),
+        "--disk-cache-mib", "0",
+        "--disk-cache-days", "0.5",
+        "--cache-faults", "copy:2,read:*",
+    ]  # fmt: skip
+    assert main(flags) == 0
+    assert got.pop() == {
+        **defaults,
+        "host_cache_mib": 64,
+        "host_min_free_mib": 0,
+        "disk_cache_dir": tmp_path / "kv",
+        "disk_cache_mib": 0,
+        "disk_cache_days": 0.5,
+        "cache_faults": "copy:2,read:*",
+    }
 
 
 async def test_health_tells_the_truth(model_dir: MakeModel) -> None:

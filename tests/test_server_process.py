@@ -89,7 +89,8 @@ def reference(
     """The Python API's answers, one prompt at a time on a fresh engine."""
 
     async def run() -> list[Completion]:
-        engine = await Engine.load(model, max_batch=1)
+        # Disk tier off: a clean close would otherwise leave blocks for a server to adopt.
+        engine = await Engine.load(model, max_batch=1, disk_cache_mib=0)
         try:
             out = []
             tok = engine.tokenizer
@@ -105,8 +106,20 @@ def reference(
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: MakeModel) -> Iterator[Server]:
-    s = Server(serve_argv("--model", str(model_dir("llama")), "--served-model-name", "tiny"))
+def server(model_dir: MakeModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # Started before the per-test XDG_CACHE_HOME is set: its disk tier gets a folder of its own,
+    # never the user's ~/.cache.
+    kv = tmp_path_factory.mktemp("server-kv")
+    s = Server(
+        serve_argv(
+            "--model",
+            str(model_dir("llama")),
+            "--served-model-name",
+            "tiny",
+            "--disk-cache-dir",
+            str(kv),
+        )
+    )
     s.wait_healthy()
     yield s
     assert s.stop() == 0
@@ -334,6 +347,77 @@ def test_grace_period_ends_requests_that_outlast_it_and_exits_0(model_dir: MakeM
                     rest.append(line)
             assert "data: [DONE]" not in rest
     assert any("timeout graceful shutdown exceeded" in x for x in s.lines)
+
+
+def conversation(seed: int, length: int = 1200) -> list[int]:
+    """`length` token ids of one conversation (the tiny model's vocabulary has 512)."""
+    return [3 + (i * seed + seed) % 500 for i in range(length)]
+
+
+def alternate(url: str, histories: list[list[int]], rounds: int) -> list[int]:
+    """Each history in turn, `rounds` times, growing by 16 ids a turn; cached_tokens of each."""
+    cached = []
+    for _ in range(rounds):
+        for h in histories:
+            body = {"prompt": h, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            h += [100 + len(h) % 300 + k for k in range(16)]
+    return cached
+
+
+def sample(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_cache_flags_host_and_disk_tiers_across_a_restart(
+    model_dir: MakeModel, tmp_path: Path
+) -> None:
+    model = str(model_dir("llama", max_position_embeddings=4096))
+    kv = tmp_path / "kv"
+    histories = [conversation(1), conversation(7)]
+    flags = ["--model", model, "--kv-memory-mib", "1", "--disk-cache-dir", str(kv)]
+    # Floor 0: the RAM gate admits on any machine.
+    flags += ["--host-min-free-mib", "0"]
+    s = Server(serve_argv(*flags, "--host-cache-mib", "64", "--disk-cache-days", "1"))
+    try:
+        s.wait_healthy()
+        # The device holds one conversation; the other comes back from the host tier.
+        assert alternate(s.url, histories, rounds=2) == [0, 0, 1200, 1200]
+        cache = httpx.get(s.url + "/v1/cache").json()
+        metrics = httpx.get(s.url + "/metrics").text
+    finally:
+        assert s.stop() == 0
+    device, host, disk = cache["tiers"]
+    assert host["capacity_bytes"] == 64 << 20 and host["hit_tokens"] > 0
+    assert disk["dir"] == str(kv) and disk["capacity_bytes"] == 16384 << 20
+    assert sample(metrics, 'strata:prefix_cache_hits_total{tier="host"}') == host["hit_tokens"]
+    assert sample(metrics, 'strata:cache_moves_total{from="device",result="ok",to="host"}') > 0
+    assert any(
+        "INFO strata_rs.cache: restored " in x and " tokens from host in " in x for x in s.lines
+    )
+    # SIGTERM closed the engine cleanly: its cached blocks (the last prompts, 76 blocks each)
+    # were written to the disk tier.
+    assert any("INFO strata_rs.cache: saved " in x for x in s.lines)
+    files = list(kv.glob("*.kvb"))
+    assert len(files) == 2 * 76
+
+    # Host tier off: the next start finds both conversations on disk.
+    s = Server(serve_argv(*flags, "--host-cache-mib", "0", "--disk-cache-mib", "64"))
+    try:
+        s.wait_healthy()
+        cache = httpx.get(s.url + "/v1/cache").json()
+        assert cache["adopted_files"] == len(files) and cache["corrupt_files"] == 0
+        assert alternate(s.url, histories, rounds=1) == [1216, 1216]
+        cache = httpx.get(s.url + "/v1/cache").json()
+    finally:
+        assert s.stop() == 0
+    device, host, disk = cache["tiers"]
+    assert host["enabled"] is False and device["hit_tokens"] == 0
+    assert disk["capacity_bytes"] == 64 << 20 and disk["hit_tokens"] == 2 * 1216
+    assert any(f"disk tier {kv}: adopted {len(files)} blocks" in x for x in s.lines)
 
 
 FAULT_SCRIPT = """

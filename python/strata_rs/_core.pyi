@@ -218,6 +218,61 @@ class Histogram(TypedDict):
     sum: float
     count: int
 
+CacheTierName = Literal["device", "host", "disk"]
+
+class CacheTierStats(TypedDict):
+    blocks: int
+    bytes: int
+    budget_bytes: int
+
+class DiskTierStats(CacheTierStats):
+    dir: str | None
+    """The disk tier's folder; None when the tier is off."""
+    enabled: bool
+
+class CacheTiers(TypedDict):
+    device: CacheTierStats
+    host: CacheTierStats
+    disk: DiskTierStats
+
+class CacheHitTokens(TypedDict):
+    device: int
+    host: int
+    disk: int
+
+# Functional form: "from" is a keyword.
+CacheMove = TypedDict(
+    "CacheMove",
+    {
+        "from": CacheTierName,
+        "to": CacheTierName,
+        "result": Literal["ok", "refused", "failed"],
+        "blocks": int,
+        "bytes": int,
+    },
+)
+
+class CacheRestore(TypedDict):
+    tokens: int
+    from_host: int
+    from_disk: int
+    bytes: int
+    seconds: float
+
+class CacheStatsDict(TypedDict):
+    tiers: CacheTiers
+    hit_tokens: CacheHitTokens
+    """Prompt tokens whose K/V came from each tier (device: the same as prefix_hit_tokens)."""
+    moves: list[CacheMove]
+    """Blocks moved per (from, to, result) since start; bytes = blocks x kv_block_bytes."""
+    refusals: dict[Literal["ram", "host_budget", "disk_budget", "device"], int]
+    """Moves refused per gate; only gates that refused appear."""
+    corrupt_files: int
+    """Disk files found bad (startup scan or a read) and deleted."""
+    adopted_files: int
+    """Disk files of this model adopted by the startup scan."""
+    last_restore: CacheRestore | None
+
 class EngineStatsDict(TypedDict):
     running: int
     waiting: int
@@ -239,6 +294,7 @@ class EngineStatsDict(TypedDict):
     step_seconds: Histogram
     ttft_seconds: Histogram
     stopped: str | None
+    cache: CacheStatsDict
 
 Prompt = str | Sequence[int]
 
@@ -253,6 +309,13 @@ class Engine:
         max_batch_tokens: int = 512,
         max_waiting: int = 256,
         threads: int | None = None,
+        *,
+        host_cache_mib: int = 4096,
+        host_min_free_mib: int = 1024,
+        disk_cache_dir: str | PathLike[str] | None = None,
+        disk_cache_mib: int = 16384,
+        disk_cache_days: float = 7.0,
+        cache_faults: str | None = None,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError, DeviceUnavailable or
         InvalidRequest.
@@ -260,7 +323,22 @@ class Engine:
         max_batch: sequences decoding at once. max_context: longest sequence (default: the
         model's). kv_memory_mib: K/V pool budget (default: one max_context sequence, at most
         2 GiB). max_batch_tokens: tokens per forward step (prefill chunk size). max_waiting:
-        requests that may wait for admission before EngineBusy."""
+        requests that may wait for admission before EngineBusy.
+
+        The conversation cache's tiers below the device (keyword-only):
+        host_cache_mib: host RAM tier budget; 0 turns the tier off.
+        host_min_free_mib: the RAM gate's floor: the host tier takes a copy only when
+        need + floor <= available memory (MemAvailable, or a memory cgroup's room if smaller).
+        disk_cache_dir: disk tier folder (default: $XDG_CACHE_HOME/strata-rs/kv, else
+        ~/.cache/strata-rs/kv).
+        disk_cache_mib: disk tier budget; 0 turns the tier off.
+        disk_cache_days: files older than this are deleted at start; 0 empties the tier at start.
+        cache_faults: fault injection for tests, e.g. "copy:2,read:*" (kinds alloc, copy, write,
+        read; N: the Nth operation of that kind fails, *: every one); default:
+        $STRATA_CACHE_FAULTS.
+
+        A clean close() writes the cached K/V to the disk tier; the next load of the same model
+        adopts those files."""
     def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> TokenStream:
@@ -283,7 +361,10 @@ class Engine:
         """The whole answer at once."""
     def stats(self) -> EngineStatsDict:
         """Counters as of the engine's last step (no round trip to the engine thread).
-        ``stopped`` is None while the engine loop serves, else why it stopped."""
+        ``stopped`` is None while the engine loop serves, else why it stopped. ``cache`` is the
+        conversation cache: bytes, blocks and budget per tier (device, host, disk), hit tokens
+        per tier, moves per (from, to, result), refusals per gate, corrupt and adopted disk
+        files, and the last restore (None before the first)."""
     def _inject_fault(self) -> None:
         """Makes the engine thread's next step panic as a bug would (tests of fault handling)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:

@@ -100,6 +100,42 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     s.add_argument(
+        "--host-cache-mib",
+        type=int,
+        default=4096,
+        help="host RAM tier of the conversation cache: budget in MiB (default 4096; 0: off)",
+    )
+    s.add_argument(
+        "--host-min-free-mib",
+        type=int,
+        default=1024,
+        help="the host tier takes a copy only when this much RAM stays available after it "
+        "(default 1024)",
+    )
+    s.add_argument(
+        "--disk-cache-dir",
+        type=Path,
+        default=None,
+        help="disk tier folder (default: $XDG_CACHE_HOME/strata-rs/kv or ~/.cache/strata-rs/kv)",
+    )
+    s.add_argument(
+        "--disk-cache-mib",
+        type=int,
+        default=16384,
+        help="disk tier budget in MiB (default 16384; 0: off)",
+    )
+    s.add_argument(
+        "--disk-cache-days",
+        type=float,
+        default=7.0,
+        help="disk tier files older than this are deleted at start (default 7; 0: start empty)",
+    )
+    s.add_argument(
+        "--cache-faults",
+        default=None,
+        help="fault injection for tests, e.g. copy:2,read:* (default: $STRATA_CACHE_FAULTS)",
+    )
+    s.add_argument(
         "--api-key",
         default=os.environ.get("STRATA_API_KEY"),
         help="require `Authorization: Bearer KEY` on every endpoint but /health "
@@ -299,6 +335,12 @@ def _serve(args: argparse.Namespace) -> int:
         "max_batch_tokens": args.max_batch_tokens,
         "max_waiting": args.max_waiting,
         "threads": args.threads,
+        "host_cache_mib": args.host_cache_mib,
+        "host_min_free_mib": args.host_min_free_mib,
+        "disk_cache_dir": args.disk_cache_dir,
+        "disk_cache_mib": args.disk_cache_mib,
+        "disk_cache_days": args.disk_cache_days,
+        "cache_faults": args.cache_faults,
     }
     return serve(
         args.model,

@@ -5,6 +5,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod host;
 
 use crate::error::{Result, StrataError};
 

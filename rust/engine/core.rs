@@ -15,6 +15,7 @@ use super::scheduler::{Chunk, Scheduler};
 use super::sequence::Sequence;
 use super::stats::EngineStats;
 use super::stop::StopStrings;
+use crate::cache::ConversationCache;
 use crate::error::{Result, StrataError};
 use crate::model::forward::{LogitsWanted, SeqChunk};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -32,6 +33,8 @@ struct RequestState {
 pub struct EngineCore {
     pub runner: ModelRunner,
     pub scheduler: Scheduler,
+    /// The tiers below the device, and the moves between them.
+    pub cache: ConversationCache,
     tokenizer: Arc<Tokenizer>,
     max_context: usize,
     requests: HashMap<u64, RequestState>,
@@ -53,9 +56,11 @@ pub struct EngineCore {
 }
 
 impl EngineCore {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         runner: ModelRunner,
         scheduler: Scheduler,
+        cache: ConversationCache,
         tokenizer: Arc<Tokenizer>,
         max_context: usize,
         max_batch: usize,
@@ -69,6 +74,7 @@ impl EngineCore {
         EngineCore {
             runner,
             scheduler,
+            cache,
             tokenizer,
             max_context,
             requests: HashMap::new(),
@@ -154,7 +160,9 @@ impl EngineCore {
             panic!("injected fault");
         }
         self.drop_cancelled();
-        let plan = self.scheduler.schedule(&mut self.runner.kv);
+        let plan = self
+            .scheduler
+            .schedule(&mut self.runner.kv, &mut self.cache);
         for seq in &self.scheduler.running {
             if seq.admissions > 0 {
                 if let Some(r) = self.requests.get_mut(&seq.request_id) {
@@ -394,6 +402,7 @@ impl EngineCore {
         st.preemptions = c.preemptions;
         st.prefix_query_tokens = c.prefix_query_tokens;
         st.prefix_hit_tokens = c.prefix_hit_tokens;
+        st.cache.clone_from(self.cache.stats());
         if let Some(d) = step {
             st.record_step(d, plan.iter().map(|c| c.len).sum());
         }
@@ -407,6 +416,12 @@ impl EngineCore {
     /// Prompt tokens accepted, for the stats.
     pub fn count_prompt(&mut self, n: usize) {
         self.local.prompt_tokens += n as u64;
+    }
+
+    /// A clean shutdown: the cached conversations go to disk for the next start.
+    pub fn persist_cache(&mut self) {
+        self.cache.persist(&self.runner.kv);
+        self.publish_stats(None, &[]);
     }
 
     /// Records why the loop stopped, for `stats()["stopped"]`.

@@ -14,6 +14,9 @@ use std::thread::JoinHandle;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::bench::{self, BenchReport, BenchSpec};
+use crate::cache::disk::BlockLayout;
+use crate::cache::{CacheOptions, ConversationCache};
+use crate::device::host::RamGate;
 use crate::device::{self, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
@@ -53,6 +56,8 @@ pub struct EngineOptions {
     pub kv_memory_mib: Option<usize>,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
     pub max_context: Option<usize>,
+    /// The conversation cache below the device.
+    pub cache: CacheOptions,
 }
 
 impl Default for EngineOptions {
@@ -65,6 +70,7 @@ impl Default for EngineOptions {
             max_waiting: 256,
             kv_memory_mib: None,
             max_context: None,
+            cache: CacheOptions::default(),
         }
     }
 }
@@ -176,6 +182,22 @@ impl Engine {
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);
         let salt = fingerprint(dir, &config, kv_dtype, BLOCK_SIZE);
+        let mut cache_opts = opts.cache.clone();
+        if cache_opts.faults.is_empty() {
+            // Fault injection reaches a server's engine through its environment.
+            cache_opts.faults = std::env::var("STRATA_CACHE_FAULTS").unwrap_or_default();
+        }
+        let layout = BlockLayout {
+            salt,
+            kv_dtype: kv_dtype.size() as u8,
+            block_size: BLOCK_SIZE as u32,
+            num_layers: config.num_layers as u32,
+            kv_heads: config.num_kv_heads as u32,
+            head_dim: config.head_dim as u32,
+            block_bytes: block_bytes as u64,
+        };
+        let gate = RamGate::system((cache_opts.host_min_free_mib as u64) << 20);
+        let cache = ConversationCache::new(&cache_opts, layout, gate)?;
         let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
         let runner = ModelRunner::new(
             model,
@@ -205,11 +227,14 @@ impl Engine {
         let queued = Arc::new(AtomicUsize::new(0));
         let stats = Arc::new(Mutex::new(EngineStats {
             kv_blocks_total: kv_blocks,
+            // What the disk scan found is visible before the first step.
+            cache: cache.stats().clone(),
             ..Default::default()
         }));
         let core = EngineCore::new(
             runner,
             Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt),
+            cache,
             tokenizer.clone(),
             max_context,
             max_batch,
@@ -426,6 +451,7 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
             match rx.recv() {
                 Ok(cmd) => handle(&mut core, cmd),
                 Err(_) => {
+                    core.persist_cache();
                     core.set_stopped(closed().to_string());
                     return;
                 }
@@ -439,6 +465,7 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
                     // Stopped is published before the streams hear of it.
                     core.set_stopped(closed().to_string());
                     core.fail_all(closed);
+                    core.persist_cache();
                     return;
                 }
             }
@@ -457,6 +484,7 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
                         core.set_stopped(closed().to_string());
                         core.fail_all(closed);
+                        core.persist_cache();
                         return;
                     }
                 }
@@ -499,27 +527,27 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Salt of every prefix hash chain: the model (its config and the layout of its weight files),
-/// the K/V format and the block size, so that cached K/V never crosses any of them.
+/// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
+/// header and a sample of its bytes), the K/V format and the block size, so that cached K/V
+/// never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
+/// over each file) tells a retrained model from the one it replaced without reading every weight.
 fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: usize) -> u64 {
+    use xxhash_rust::xxh3::xxh3_64;
     let mut parts: Vec<u64> = vec![block_size as u64, kv_dtype.size() as u64];
     parts.push(config.vocab_size as u64);
     if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
-        parts.extend(bytes.iter().map(|&b| u64::from(b)));
+        parts.push(xxh3_64(&bytes));
     }
     if let Ok(entries) = std::fs::read_dir(dir) {
-        let mut files: Vec<(String, u64)> = entries
+        let mut files: Vec<(String, PathBuf)> = entries
             .flatten()
-            .filter_map(|e| {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let len = e.metadata().ok()?.len();
-                name.ends_with(".safetensors").then_some((name, len))
-            })
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+            .filter(|(name, _)| name.ends_with(".safetensors"))
             .collect();
         files.sort();
-        for (name, len) in files {
-            parts.extend(name.bytes().map(u64::from));
-            parts.push(len);
+        for (name, path) in files {
+            parts.push(xxh3_64(name.as_bytes()));
+            parts.push(sample_file(&path));
         }
     }
     let words: Vec<u32> = parts
@@ -527,4 +555,32 @@ fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: 
         .flat_map(|&p| [p as u32, (p >> 32) as u32])
         .collect();
     crate::kv::prefix::block_hash(0x5712_a7a5, &words)
+}
+
+/// A hash of a file's length, its first 64 KiB (a safetensors header) and 64 windows of 4 KiB at
+/// evenly spaced offsets. 0 when the file cannot be read (the model load reports that).
+fn sample_file(path: &Path) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    const WINDOW: u64 = 4096;
+    const WINDOWS: u64 = 64;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return 0;
+    };
+    let len = f.metadata().map_or(0, |m| m.len());
+    let mut sampled = len.to_le_bytes().to_vec();
+    let mut buf = vec![0u8; 65536];
+    let mut read_at = |f: &mut std::fs::File, at: u64, n: usize, out: &mut Vec<u8>| {
+        if f.seek(SeekFrom::Start(at)).is_ok() {
+            let n = n.min(buf.len());
+            if let Ok(got) = f.read(&mut buf[..n]) {
+                out.extend_from_slice(&buf[..got]);
+            }
+        }
+    };
+    read_at(&mut f, 0, 65536, &mut sampled);
+    for i in 0..WINDOWS {
+        let at = len.saturating_sub(WINDOW) * i / (WINDOWS - 1).max(1);
+        read_at(&mut f, at, WINDOW as usize, &mut sampled);
+    }
+    xxhash_rust::xxh3::xxh3_64(&sampled)
 }

@@ -96,9 +96,11 @@ impl ModelRunner {
     }
 
     /// Blocks for a sequence of `len` tokens, or ContextOverflow when the pool cannot hold it.
+    /// For the diagnostic commands (logits, bench): cached blocks it evicts are not kept below.
     pub fn allocate(&mut self, len: usize) -> Result<Vec<u32>> {
         self.kv
             .allocate(len.div_ceil(self.kv.block_size()))
+            .map(|a| a.blocks)
             .ok_or_else(|| {
                 StrataError::ContextOverflow(format!(
                     "token_ids: no room in the K/V pool for {len} tokens"

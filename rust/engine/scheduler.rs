@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 
 use super::sequence::Sequence;
+use crate::cache::ConversationCache;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::extend_hashes;
 
@@ -23,7 +24,8 @@ pub struct Chunk {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SchedulerCounters {
     pub preemptions: u64,
-    /// Prompt tokens looked up in the prefix cache at admission, and those found.
+    /// Prompt tokens looked up in the prefix cache at admission, and those found on the device
+    /// (the tiers below count their own hits).
     pub prefix_query_tokens: u64,
     pub prefix_hit_tokens: u64,
 }
@@ -62,7 +64,7 @@ impl Scheduler {
     }
 
     /// Plans the next step. Every planned sequence's block table covers its chunk on return.
-    pub fn schedule(&mut self, kv: &mut BlockPool) -> Vec<Chunk> {
+    pub fn schedule(&mut self, kv: &mut BlockPool, cache: &mut ConversationCache) -> Vec<Chunk> {
         let mut plan: Vec<Chunk> = Vec::new();
         let mut budget = self.max_batch_tokens;
 
@@ -84,7 +86,7 @@ impl Scheduler {
                 let target = seq.computed + len;
                 // Grow the table, preempting the newest sequences while blocks are short.
                 let mut fits = true;
-                while !self.grow(i, target, kv) {
+                while !self.grow(i, target, kv, cache) {
                     let last = self.running.len() - 1;
                     if let Some(p) = plan.iter().position(|c| c.seq == self.running[last].id) {
                         budget += plan.remove(p).len;
@@ -124,7 +126,7 @@ impl Scheduler {
                     break;
                 }
             }
-            let Some(len) = self.admit(budget, kv) else {
+            let Some(len) = self.admit(budget, kv, cache) else {
                 break;
             };
             let seq = &self.running[self.running.len() - 1];
@@ -135,8 +137,14 @@ impl Scheduler {
     }
 
     /// Moves the front of the queue to `running` with blocks for its first chunk (at most
-    /// `budget` tokens), reusing cached prefix blocks; `None` when the blocks are not there.
-    fn admit(&mut self, budget: usize, kv: &mut BlockPool) -> Option<usize> {
+    /// `budget` tokens), reusing cached prefix blocks: those on the device, then those the tiers
+    /// below can restore when the device can take them. `None` when the blocks are not there.
+    fn admit(
+        &mut self,
+        budget: usize,
+        kv: &mut BlockPool,
+        cache: &mut ConversationCache,
+    ) -> Option<usize> {
         let bs = self.block_size;
         let seq = self.waiting.front_mut()?;
         extend_hashes(self.salt, &seq.tokens, bs, &mut seq.hashes);
@@ -146,21 +154,53 @@ impl Scheduler {
         for &b in &hit {
             kv.retain(b);
         }
-        let cached = hit.len() * bs;
-        let len = (seq.tokens.len() - cached).min(budget);
-        let need = (cached + len).div_ceil(bs) - hit.len();
-        let Some(fresh) = kv.allocate(need) else {
-            kv.release(&hit);
-            return None;
+        let below = cache.probe(&seq.hashes[..usable], &seq.tokens, hit.len());
+        // Blocks for the restored prefix and the first chunk after it.
+        let need = |restored: usize| {
+            let cached = (hit.len() + restored) * bs;
+            let len = (seq.tokens.len() - cached).min(budget);
+            (cached + len).div_ceil(bs) - hit.len()
         };
+        let mut restored = 0;
+        let mut table = None;
+        if below > 0 {
+            match kv.allocate(need(below)) {
+                Some(a) => {
+                    cache.offload(kv, &a.evicted);
+                    restored =
+                        cache.onload(kv, &a.blocks[..below], &seq.hashes, &seq.tokens, hit.len());
+                    // A restore that stopped short needs fewer blocks; the rest were never used.
+                    let mut blocks = a.blocks;
+                    kv.release(&blocks[need(restored)..]);
+                    blocks.truncate(need(restored));
+                    table = Some(blocks);
+                }
+                None => cache.refuse_onload(below * bs, kv.num_free(), need(below)),
+            }
+        }
+        let fresh = match table {
+            Some(t) => t,
+            None => match kv.allocate(need(0)) {
+                Some(a) => {
+                    cache.offload(kv, &a.evicted);
+                    a.blocks
+                }
+                None => {
+                    kv.release(&hit);
+                    return None;
+                }
+            },
+        };
+        let cached = (hit.len() + restored) * bs;
+        let len = (seq.tokens.len() - cached).min(budget);
         let mut seq = self.waiting.pop_front()?;
         if seq.admissions == 0 {
             seq.cached_tokens = cached;
             self.counters.prefix_query_tokens += seq.prompt_len as u64;
-            self.counters.prefix_hit_tokens += cached as u64;
+            self.counters.prefix_hit_tokens += (hit.len() * bs) as u64;
         }
         seq.admissions += 1;
-        seq.registered = hit.len();
+        seq.registered = hit.len() + restored;
         seq.table = hit;
         seq.table.extend(fresh);
         seq.computed = cached;
@@ -169,7 +209,13 @@ impl Scheduler {
     }
 
     /// Extends running sequence `i`'s table to cover `target` tokens; false when blocks are short.
-    fn grow(&mut self, i: usize, target: usize, kv: &mut BlockPool) -> bool {
+    fn grow(
+        &mut self,
+        i: usize,
+        target: usize,
+        kv: &mut BlockPool,
+        cache: &mut ConversationCache,
+    ) -> bool {
         let seq = &mut self.running[i];
         let need = target
             .div_ceil(self.block_size)
@@ -178,8 +224,9 @@ impl Scheduler {
             return true;
         }
         match kv.allocate(need) {
-            Some(b) => {
-                seq.table.extend(b);
+            Some(a) => {
+                cache.offload(kv, &a.evicted);
+                seq.table.extend(a.blocks);
                 true
             }
             None => false,
@@ -281,7 +328,8 @@ mod tests {
     /// Runs a step's bookkeeping without a model: feeds the plan and "samples" token 7 for every
     /// sequence whose chunk reached its end.
     fn fake_step(s: &mut Scheduler, kv: &mut BlockPool) -> Vec<Chunk> {
-        let plan = s.schedule(kv);
+        let mut cache = ConversationCache::off(BS, kv.bytes_per_block());
+        let plan = s.schedule(kv, &mut cache);
         s.commit(&plan, kv);
         for c in &plan {
             let seq = s.running_mut(c.seq).unwrap();

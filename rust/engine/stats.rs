@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use crate::cache::CacheStats;
+
 /// Counts of observations at or below each bound (Prometheus-style cumulative buckets are
 /// derived on export), with their sum.
 #[derive(Clone, Debug)]
@@ -62,6 +64,8 @@ pub struct EngineStats {
     pub ttft_seconds: Histogram,
     /// Why the engine loop stopped, once it has.
     pub stopped: Option<String>,
+    /// The conversation cache's tiers, moves and refusals.
+    pub cache: CacheStats,
 }
 
 impl Default for EngineStats {
@@ -86,6 +90,7 @@ impl Default for EngineStats {
             step_seconds: Histogram::new(LATENCY_BOUNDS),
             ttft_seconds: Histogram::new(LATENCY_BOUNDS),
             stopped: None,
+            cache: CacheStats::default(),
         }
     }
 }

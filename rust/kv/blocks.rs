@@ -8,7 +8,7 @@
 //! keeps its K/V until the space is needed.
 
 use crate::error::{Result, StrataError};
-use crate::kv::prefix::PrefixIndex;
+use crate::kv::prefix::{Evicted, PrefixIndex};
 use crate::model::kernels::cpu::attention::{KvData, KvLayer};
 use crate::model::weights::DType;
 use half::f16;
@@ -72,6 +72,25 @@ fn zeroed<T: ZeroBits>(n: usize) -> std::result::Result<Vec<T>, ()> {
     // SAFETY: `p` was allocated by the global allocator with the layout of `n` `T`s, and all
     // `n` are initialised: zero bits are a valid `T` (ZeroBits).
     Ok(unsafe { Vec::from_raw_parts(p, n, n) })
+}
+
+/// Blocks taken by `allocate`, and the cached blocks it evicted to find them. The evicted blocks'
+/// K/V is still intact: whoever wants to keep it must copy it out before anything writes them.
+#[must_use]
+pub struct Allocation {
+    pub blocks: Vec<u32>,
+    pub evicted: Vec<Evicted>,
+}
+
+/// Views K/V elements as bytes (this code runs on little-endian machines only: x86-64, aarch64).
+fn as_bytes<T: ZeroBits>(s: &[T]) -> &[u8] {
+    // SAFETY: f32 and f16 have no padding; any initialized value is valid bytes.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
+}
+
+fn as_bytes_mut<T: ZeroBits>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above, and every bit pattern is a valid f32 or f16.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
 }
 
 pub struct BlockPool {
@@ -177,21 +196,86 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks, or none at all when fewer than `n` can be had. Free blocks go first;
-    /// then the least recently used cached blocks are evicted.
-    pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
+    /// then the least recently used cached blocks are evicted (returned in `evicted`).
+    pub fn allocate(&mut self, n: usize) -> Option<Allocation> {
         if n > self.num_free() {
             return None;
         }
         let from_free = n.min(self.free.len());
         let mut blocks = self.free.split_off(self.free.len() - from_free);
+        let mut evicted = Vec::new();
         while blocks.len() < n {
             // num_free() counted the evictable blocks, so this cannot run dry.
-            blocks.push(self.prefix.evict()?);
+            let e = self.prefix.evict()?;
+            blocks.push(e.block);
+            evicted.push(e);
         }
         for &b in &blocks {
             self.refcount[b as usize] = 1;
         }
-        Some(blocks)
+        Some(Allocation { blocks, evicted })
+    }
+
+    /// Every block in the prefix index, held or not: (block, hash, tokens).
+    pub fn cached_blocks(&self) -> impl Iterator<Item = (u32, u64, &[u32])> {
+        self.prefix.iter()
+    }
+
+    /// Bytes of one block's K/V across all layers, as `read_block` lays them out.
+    pub fn bytes_per_block(&self) -> usize {
+        Self::block_bytes(
+            self.layers.len(),
+            self.block_size,
+            self.kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+        )
+    }
+
+    /// The element range of `block` within one layer's K (or V) array.
+    fn block_range(&self, block: u32) -> std::ops::Range<usize> {
+        let n = self.block_size * self.kv_heads * self.head_dim;
+        block as usize * n..(block as usize + 1) * n
+    }
+
+    /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
+    /// dtype. `out` is `bytes_per_block()` long.
+    pub fn read_block(&self, block: u32, out: &mut [u8]) {
+        let r = self.block_range(block);
+        let mut at = 0;
+        for layer in &self.layers {
+            let (k, v) = match layer {
+                LayerStore::F32 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
+                LayerStore::F16 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
+            };
+            for part in [k, v] {
+                out[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+        }
+    }
+
+    /// Copies one block's K/V in, laid out as `read_block` writes it.
+    pub fn write_block(&mut self, block: u32, data: &[u8]) {
+        let r = self.block_range(block);
+        let mut at = 0;
+        for layer in &mut self.layers {
+            let (k, v) = match layer {
+                LayerStore::F32 { k, v } => (
+                    as_bytes_mut(&mut k[r.clone()]),
+                    as_bytes_mut(&mut v[r.clone()]),
+                ),
+                LayerStore::F16 { k, v } => (
+                    as_bytes_mut(&mut k[r.clone()]),
+                    as_bytes_mut(&mut v[r.clone()]),
+                ),
+            };
+            for part in [k, v] {
+                let n = part.len();
+                part.copy_from_slice(&data[at..at + n]);
+                at += n;
+            }
+        }
     }
 
     /// Adds a reference to a block: a shared prefix, or a cache hit on a block nobody held.
@@ -283,7 +367,7 @@ mod tests {
     #[test]
     fn allocate_release_and_share() {
         let mut pool = BlockPool::new(2, 4, 16, 2, 8, KvDtype::F32).unwrap();
-        let a = pool.allocate(3).unwrap();
+        let a = pool.allocate(3).unwrap().blocks;
         assert_eq!(pool.num_free(), 1);
         assert!(pool.allocate(2).is_none(), "all-or-nothing");
         assert_eq!(pool.num_free(), 1);
@@ -299,7 +383,7 @@ mod tests {
         let mut pool = BlockPool::new(1, 4, 2, 1, 2, KvDtype::F32).unwrap();
         let toks = [1u32, 2, 3, 4];
         let hashes = [11u64, 12];
-        let a = pool.allocate(3).unwrap();
+        let a = pool.allocate(3).unwrap().blocks;
         assert!(pool.register(a[0], hashes[0], &toks[0..2]));
         assert!(pool.register(a[1], hashes[1], &toks[2..4]));
         assert_eq!(pool.lookup(&hashes, &toks), vec![a[0], a[1]]);
@@ -320,12 +404,55 @@ mod tests {
         pool.release(&hit);
         // Free blocks go first, then the leaf (released first, so older), then its parent.
         let b = pool.allocate(2).unwrap();
+        assert!(b.evicted.is_empty(), "free blocks first");
+        let b = b.blocks;
         assert!(!b.contains(&a[0]) && !b.contains(&a[1]));
-        assert_eq!(pool.allocate(1).unwrap(), vec![a[1]]);
+        let leaf = pool.allocate(1).unwrap();
+        assert_eq!(leaf.blocks, vec![a[1]]);
+        assert_eq!(
+            leaf.evicted,
+            vec![Evicted {
+                block: a[1],
+                hash: hashes[1],
+                tokens: toks[2..4].into()
+            }],
+            "an eviction says what the block held"
+        );
         assert_eq!(pool.lookup(&hashes, &toks), vec![a[0]]);
-        assert_eq!(pool.allocate(1).unwrap(), vec![a[0]]);
+        assert_eq!(pool.allocate(1).unwrap().blocks, vec![a[0]]);
         assert!(pool.lookup(&hashes, &toks).is_empty());
         assert!(pool.allocate(1).is_none());
+    }
+
+    #[test]
+    fn read_block_and_write_block_round_trip_every_layer() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut pool = BlockPool::new(2, 3, 2, 1, 2, dtype).unwrap();
+            let n = pool.bytes_per_block();
+            assert_eq!(n, 2 * 2 * 2 * 2 * dtype.size());
+            // Block 1, both rows, both layers, distinct values.
+            for layer in 0..2 {
+                for row in 0..2 {
+                    let x = (layer * 10 + row) as f32;
+                    pool.write(layer, 2 + row, &[x, x + 0.5], &[-x, -x - 0.5]);
+                }
+            }
+            let mut bytes = vec![0u8; n];
+            pool.read_block(1, &mut bytes);
+            pool.write_block(2, &bytes);
+            for layer in 0..2 {
+                let l = pool.layer(layer);
+                for e in 0..4 {
+                    assert_eq!(l.k.get(8 + e), l.k.get(4 + e));
+                    assert_eq!(l.v.get(8 + e), l.v.get(4 + e));
+                }
+                assert_eq!(l.k.get(10), (layer * 10 + 1) as f32);
+                assert_eq!(l.v.get(11), -((layer * 10 + 1) as f32) - 0.5);
+            }
+            let mut again = vec![0u8; n];
+            pool.read_block(2, &mut again);
+            assert_eq!(bytes, again);
+        }
     }
 
     #[test]

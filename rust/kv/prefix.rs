@@ -107,6 +107,14 @@ impl Lru {
     }
 }
 
+/// A cached block the device is about to reuse: what it held, for the tiers below.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Evicted {
+    pub block: u32,
+    pub hash: u64,
+    pub tokens: Box<[u32]>,
+}
+
 /// What a cached block holds: its hash and, to rule out a hash collision, its tokens.
 struct Entry {
     hash: u64,
@@ -180,13 +188,24 @@ impl PrefixIndex {
         self.lru.remove(block);
     }
 
-    /// Drops the least recently used evictable block from the index and returns it.
-    pub fn evict(&mut self) -> Option<u32> {
-        let b = self.lru.pop_oldest()?;
-        if let Some(e) = self.entries[b as usize].take() {
-            self.by_hash.remove(&e.hash);
-        }
-        Some(b)
+    /// Drops the least recently used evictable block from the index and returns what it held.
+    pub fn evict(&mut self) -> Option<Evicted> {
+        let block = self.lru.pop_oldest()?;
+        let e = self.entries[block as usize].take()?;
+        self.by_hash.remove(&e.hash);
+        Some(Evicted {
+            block,
+            hash: e.hash,
+            tokens: e.tokens,
+        })
+    }
+
+    /// Every indexed block: (block, hash, tokens).
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u64, &[u32])> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter_map(|(b, e)| e.as_ref().map(|e| (b as u32, e.hash, &*e.tokens)))
     }
 }
 
@@ -230,10 +249,19 @@ mod tests {
         assert_eq!(ix.evictable(), 2);
         ix.unpark(1);
         ix.park(1);
-        assert_eq!(ix.evict(), Some(0), "least recently parked first");
+        assert_eq!(
+            ix.evict(),
+            Some(Evicted {
+                block: 0,
+                hash: 10,
+                tokens: vec![1, 2].into()
+            }),
+            "least recently parked first"
+        );
         assert_eq!(ix.get(10, &[1, 2]), None, "evicted blocks leave the index");
         assert_eq!(ix.len(), 1);
-        assert_eq!(ix.evict(), Some(1));
+        assert_eq!(ix.iter().collect::<Vec<_>>(), vec![(1, 11, &[3u32, 4][..])]);
+        assert_eq!(ix.evict().map(|e| e.block), Some(1));
         assert_eq!(ix.evict(), None);
         assert!(ix.is_empty());
     }

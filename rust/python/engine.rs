@@ -16,6 +16,7 @@ use super::sampling_params::{resolve, PySamplingParams};
 use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
 use crate::bench::BenchSpec;
+use crate::cache::{CacheOptions, CacheStats};
 use crate::device::Device;
 use crate::engine::request::{validate_messages, SamplingParams};
 use crate::engine::stats::{EngineStats, Histogram};
@@ -84,6 +85,75 @@ fn histogram_dict<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, Py
     d.set_item("counts", h.counts.clone())?;
     d.set_item("sum", h.sum)?;
     d.set_item("count", h.count)?;
+    Ok(d)
+}
+
+/// The conversation cache's part of `stats()`: tiers, hits, moves, refusals, the last restore.
+fn cache_dict<'py>(
+    py: Python<'py>,
+    s: &EngineStats,
+    block_bytes: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    let c: &CacheStats = &s.cache;
+    let tier = |blocks: usize, bytes: u64, budget: u64| -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("blocks", blocks)?;
+        d.set_item("bytes", bytes)?;
+        d.set_item("budget_bytes", budget)?;
+        Ok(d)
+    };
+    let tiers = PyDict::new(py);
+    tiers.set_item(
+        "device",
+        tier(
+            s.kv_blocks_cached,
+            (s.kv_blocks_cached * block_bytes) as u64,
+            (s.kv_blocks_total * block_bytes) as u64,
+        )?,
+    )?;
+    tiers.set_item("host", tier(c.host_blocks, c.host_bytes, c.host_budget)?)?;
+    let disk = tier(c.disk_blocks, c.disk_bytes, c.disk_budget)?;
+    disk.set_item("dir", c.disk_dir.clone())?;
+    disk.set_item("enabled", c.disk_dir.is_some())?;
+    tiers.set_item("disk", disk)?;
+    let hits = PyDict::new(py);
+    hits.set_item("device", s.prefix_hit_tokens)?;
+    hits.set_item("host", c.hit_tokens_host)?;
+    hits.set_item("disk", c.hit_tokens_disk)?;
+    let moves = PyList::empty(py);
+    for (&(from, to, result), &blocks) in &c.moves {
+        let m = PyDict::new(py);
+        m.set_item("from", from.name())?;
+        m.set_item("to", to.name())?;
+        m.set_item("result", result.name())?;
+        m.set_item("blocks", blocks)?;
+        m.set_item("bytes", blocks * block_bytes as u64)?;
+        moves.append(m)?;
+    }
+    let refusals = PyDict::new(py);
+    for (gate, n) in &c.refusals {
+        refusals.set_item(gate.name(), n)?;
+    }
+    let d = PyDict::new(py);
+    d.set_item("tiers", tiers)?;
+    d.set_item("hit_tokens", hits)?;
+    d.set_item("moves", moves)?;
+    d.set_item("refusals", refusals)?;
+    d.set_item("corrupt_files", c.corrupt_files)?;
+    d.set_item("adopted_files", c.adopted_files)?;
+    let last = match &c.last_restore {
+        Some(r) => {
+            let l = PyDict::new(py);
+            l.set_item("tokens", r.tokens)?;
+            l.set_item("from_host", r.from_host)?;
+            l.set_item("from_disk", r.from_disk)?;
+            l.set_item("bytes", r.bytes)?;
+            l.set_item("seconds", r.seconds)?;
+            Some(l)
+        }
+        None => None,
+    };
+    d.set_item("last_restore", last)?;
     Ok(d)
 }
 
@@ -185,7 +255,7 @@ impl PyEngine {
     /// InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -196,7 +266,28 @@ impl PyEngine {
         max_batch_tokens: i64,
         max_waiting: i64,
         threads: Option<i64>,
+        host_cache_mib: i64,
+        host_min_free_mib: i64,
+        disk_cache_dir: Option<PathBuf>,
+        disk_cache_mib: i64,
+        disk_cache_days: f64,
+        cache_faults: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        if disk_cache_days.is_nan() || disk_cache_days < 0.0 {
+            return Err(to_pyerr(StrataError::invalid(
+                "disk_cache_days",
+                format!("must be >= 0, got {disk_cache_days}"),
+            )));
+        }
+        let cache = CacheOptions {
+            host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
+            host_min_free_mib: usize_arg(Some(host_min_free_mib), "host_min_free_mib")?
+                .unwrap_or(0),
+            disk_cache_dir,
+            disk_cache_mib: usize_arg(Some(disk_cache_mib), "disk_cache_mib")?.unwrap_or(0),
+            disk_cache_days,
+            faults: cache_faults.unwrap_or_default(),
+        };
         let opts = EngineOptions {
             device: Device::parse(device).map_err(to_pyerr)?,
             threads: usize_arg(threads, "threads")?,
@@ -205,6 +296,7 @@ impl PyEngine {
             max_waiting: usize_arg(Some(max_waiting), "max_waiting")?.unwrap_or(0),
             kv_memory_mib: usize_arg(kv_memory_mib, "kv_memory_mib")?,
             max_context: usize_arg(max_context, "max_context")?,
+            cache,
         };
         let load = async move {
             tokio::task::spawn_blocking(move || Engine::load(&path, opts))
@@ -299,8 +391,13 @@ impl PyEngine {
     /// Counters as of the engine's last step: running, waiting, K/V blocks, prefix hits, tokens,
     /// preemptions, step times, TTFT. A plain dict; cheap (no round trip to the engine thread).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = lock(&self.engine).stats();
-        stats_dict(py, &s)
+        let (s, block_bytes) = {
+            let engine = lock(&self.engine);
+            (engine.stats(), engine.info().kv_block_bytes)
+        };
+        let d = stats_dict(py, &s)?;
+        d.set_item("cache", cache_dict(py, &s, block_bytes)?)?;
+        Ok(d)
     }
 
     /// Makes the engine thread's next step panic as a bug would (for tests of fault handling:

@@ -4,6 +4,7 @@ mod awaitable;
 mod engine;
 mod errors;
 mod json;
+mod logging;
 mod output;
 mod sampling_params;
 mod stream;
@@ -33,6 +34,7 @@ fn cuda_devices(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     awaitable::register(m)?;
+    logging::install();
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<tokenizer::PyTokenizer>()?;
     m.add_class::<sampling_params::PySamplingParams>()?;

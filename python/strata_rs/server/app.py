@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from strata_rs import Engine, InvalidRequest, StrataError, StreamChunk, TokenStream
 from strata_rs.server import openai
-from strata_rs.server.metrics import CONTENT_TYPE, ServerMetrics
+from strata_rs.server.metrics import CACHE_GATES, CONTENT_TYPE, TIERS, ServerMetrics
 from strata_rs.server.openai import ApiError, ChoiceResult, GenerationRequest
 
 logger = logging.getLogger("strata_rs.server")
@@ -614,32 +614,47 @@ async def detokenize(request: Request, state: ServerState) -> Response:
     return _json({"prompt": tok.decode(known, skip_special_tokens=skip)})
 
 
+def cache_report(stats: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str, Any]:
+    """The body of GET /v1/cache, from one `stats()` snapshot."""
+    c = stats["cache"]
+    hits = c["hit_tokens"]
+    tiers = []
+    for name in TIERS:
+        t = c["tiers"][name]
+        tier: dict[str, Any] = {
+            "tier": name,
+            "enabled": t.get("enabled", name == "device" or t["budget_bytes"] > 0),
+            "bytes": t["bytes"],
+            "capacity_bytes": t["budget_bytes"],
+            "entries": t["blocks"],
+            "hit_tokens": hits[name],
+        }
+        if name == "disk":
+            tier["dir"] = t["dir"]
+        tiers.append(tier)
+    total_hits = sum(hits.values())
+    queries = stats["prefix_query_tokens"]
+    return {
+        "object": "cache",
+        "block_size": info["block_size"],
+        "entry_bytes": info["kv_block_bytes"],
+        "tiers": tiers,
+        "hit_tokens": total_hits,
+        "query_tokens": queries,
+        "hit_rate": total_hits / queries if queries else 0.0,
+        "moves": [dict(m) for m in c["moves"]],
+        # Every gate, at 0 until it refuses (the engine lists only those that did).
+        "refusals": dict.fromkeys(CACHE_GATES, 0) | dict(c["refusals"]),
+        "corrupt_files": c["corrupt_files"],
+        "adopted_files": c["adopted_files"],
+        "last_restore": c["last_restore"],
+    }
+
+
 @_simple("cache")
 async def cache(request: Request, state: ServerState) -> Response:
     engine = state.require_engine()
-    s = engine.stats()
-    info = engine.info
-    block_bytes = info["kv_block_bytes"]
-    hits = s["prefix_hit_tokens"]
-    queries = s["prefix_query_tokens"]
-    device = {
-        "tier": "device",
-        "bytes": s["kv_blocks_cached"] * block_bytes,
-        "capacity_bytes": s["kv_blocks_total"] * block_bytes,
-        "entries": s["kv_blocks_cached"],
-        "hit_tokens": hits,
-    }
-    return _json(
-        {
-            "object": "cache",
-            "block_size": info["block_size"],
-            "entry_bytes": block_bytes,
-            "tiers": [device],
-            "hit_tokens": hits,
-            "query_tokens": queries,
-            "hit_rate": hits / queries if queries else 0.0,
-        }
-    )
+    return _json(cache_report(engine.stats(), engine.info))
 
 
 @_simple("health", auth=False)

@@ -3,7 +3,8 @@ server's own histograms (time to first token and inter-token latency as the HTTP
 end-to-end latency) and a request counter.
 
 Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and DESIGN.md's for the
-cache. Every registry is per app, so two apps in one process never share counters.
+cache (``stats()["cache"]``: bytes and blocks per tier, hits per tier, moves, gate refusals,
+corrupt disk files). Every registry is per app, so two apps in one process never share counters.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+TIERS = ("device", "host", "disk")
+# The moves the conversation cache makes: offloads down, onloads up.
+MOVES = (
+    ("device", "host"),
+    ("device", "disk"),
+    ("host", "disk"),
+    ("host", "device"),
+    ("disk", "device"),
+)
+MOVE_RESULTS = ("ok", "refused", "failed")
+# The cache's gates; "queue" (a full --max-waiting queue) is the engine's own.
+CACHE_GATES = ("ram", "host_budget", "disk_budget", "device")
 
 
 def _histogram(name: str, doc: str, h: Mapping[str, Any]) -> HistogramMetricFamily:
@@ -57,7 +71,7 @@ class EngineCollector(Collector):
             up.add_metric([], 0)
             yield up
             return
-        s, info = got
+        s, _info = got
         up.add_metric([], 1 if s["stopped"] is None else 0)
         yield up
 
@@ -83,11 +97,19 @@ class EngineCollector(Collector):
             "K/V blocks indexed in the prefix cache (held or evictable)",
             s["kv_blocks_cached"],
         )
+        cache = s["cache"]
+        tiers = cache["tiers"]
         cache_bytes = GaugeMetricFamily(
             "strata:cache_bytes", "Bytes of cached K/V per tier", labels=["tier"]
         )
-        cache_bytes.add_metric(["device"], s["kv_blocks_cached"] * info["kv_block_bytes"])
+        cache_blocks = GaugeMetricFamily(
+            "strata:cache_blocks", "Cached K/V blocks per tier", labels=["tier"]
+        )
+        for tier in TIERS:
+            cache_bytes.add_metric([tier], tiers[tier]["bytes"])
+            cache_blocks.add_metric([tier], tiers[tier]["blocks"])
         yield cache_bytes
+        yield cache_blocks
         yield counter(
             "strata:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
@@ -98,8 +120,40 @@ class EngineCollector(Collector):
             "Prompt tokens whose K/V came from the cache, per tier",
             labels=["tier"],
         )
-        hits.add_metric(["device"], s["prefix_hit_tokens"])
+        for tier in TIERS:
+            hits.add_metric([tier], cache["hit_tokens"][tier])
         yield hits
+        # Every move the cache makes is listed from the first scrape on (at 0), so that a rate()
+        # over it never starts from a missing series.
+        blocks_moved = {(a, b, r): 0 for a, b in MOVES for r in MOVE_RESULTS}
+        bytes_moved = dict.fromkeys(MOVES, 0)
+        for m in cache["moves"]:
+            key = (m["from"], m["to"], m["result"])
+            blocks_moved[key] = blocks_moved.get(key, 0) + m["blocks"]
+            if m["result"] == "ok":
+                route = key[:2]
+                bytes_moved[route] = bytes_moved.get(route, 0) + m["bytes"]
+        moves = CounterMetricFamily(
+            "strata:cache_moves",
+            "K/V blocks moved between cache tiers, by source, destination and result",
+            labels=["from", "to", "result"],
+        )
+        for key, n in blocks_moved.items():
+            moves.add_metric(list(key), n)
+        yield moves
+        move_bytes = CounterMetricFamily(
+            "strata:cache_move_bytes",
+            "Bytes of K/V moved between cache tiers (successful moves)",
+            labels=["from", "to"],
+        )
+        for route, n in bytes_moved.items():
+            move_bytes.add_metric(list(route), n)
+        yield move_bytes
+        yield counter(
+            "strata:cache_corrupt_files",
+            "Disk tier files found bad (at the startup scan or on a read) and deleted",
+            cache["corrupt_files"],
+        )
         yield counter(
             "strata:prompt_tokens", "Prompt tokens of admitted requests", s["prompt_tokens"]
         )
@@ -115,9 +169,15 @@ class EngineCollector(Collector):
             s["requests_cancelled"],
         )
         refusals = CounterMetricFamily(
-            "strata:admission_refusals", "Requests refused at admission, per gate", labels=["gate"]
+            "strata:admission_refusals",
+            "Refusals per gate: requests (queue) and cache moves (ram, host_budget, disk_budget, "
+            "device)",
+            labels=["gate"],
         )
         refusals.add_metric(["queue"], s["requests_refused"])
+        cache_refusals = dict.fromkeys(CACHE_GATES, 0) | dict(cache["refusals"])
+        for gate, n in cache_refusals.items():
+            refusals.add_metric([gate], n)
         yield refusals
         yield counter(
             "strata:num_preemptions", "Sequences preempted under K/V pressure", s["preemptions"]

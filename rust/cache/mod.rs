@@ -1,0 +1,171 @@
+//! The conversation cache: the tiers below the device (host RAM, disk) and the moves between them.
+//!
+//! The device tier is the block pool's prefix cache (`kv`). When the pool evicts a cached block,
+//! `ConversationCache::offload` copies it to the host tier if the RAM gate admits it, else writes
+//! it to disk; the host tier's own evictions go to disk. At admission the scheduler asks `probe`
+//! how much of a prompt's prefix lies below the device and, when the device can take it,
+//! `onload` copies it up. Every move is optional: a refusal or failure is counted, logged in one
+//! line, and the request recomputes what was not restored.
+
+pub mod disk;
+pub mod faults;
+pub mod host;
+pub mod mover;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+pub use mover::ConversationCache;
+
+/// Where a block lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tier {
+    Device,
+    Host,
+    Disk,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+/// How a move ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum MoveResult {
+    Ok,
+    /// A gate or budget said no before anything was tried.
+    Refused,
+    /// An allocation, copy, write, read or checksum failed.
+    Failed,
+}
+
+impl MoveResult {
+    pub fn name(self) -> &'static str {
+        match self {
+            MoveResult::Ok => "ok",
+            MoveResult::Refused => "refused",
+            MoveResult::Failed => "failed",
+        }
+    }
+}
+
+/// What refused a move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Gate {
+    /// The RAM gate: not enough available memory above the floor.
+    Ram,
+    /// A block larger than the whole host budget.
+    HostBudget,
+    /// A block larger than the whole disk budget.
+    DiskBudget,
+    /// The device could not take an onload (blocks neither free nor evictable).
+    Device,
+}
+
+impl Gate {
+    pub fn name(self) -> &'static str {
+        match self {
+            Gate::Ram => "ram",
+            Gate::HostBudget => "host_budget",
+            Gate::DiskBudget => "disk_budget",
+            Gate::Device => "device",
+        }
+    }
+}
+
+/// The cache's options; every one is an `Engine.load` keyword and a `strata-rs serve` flag.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheOptions {
+    /// Host tier budget; 0 turns the tier off.
+    pub host_cache_mib: usize,
+    /// Memory the host tier always leaves available to the rest of the machine.
+    pub host_min_free_mib: usize,
+    /// Disk tier folder; `None`: the user's cache folder (`$XDG_CACHE_HOME/strata-rs/kv`, or
+    /// `~/.cache/strata-rs/kv`).
+    pub disk_cache_dir: Option<PathBuf>,
+    /// Disk tier budget; 0 turns the tier off.
+    pub disk_cache_mib: usize,
+    /// Files older than this are deleted at start; 0 empties the tier at start.
+    pub disk_cache_days: f64,
+    /// Fault injection (`faults::Faults::parse`); empty for none.
+    pub faults: String,
+}
+
+impl Default for CacheOptions {
+    fn default() -> Self {
+        CacheOptions {
+            host_cache_mib: 4096,
+            host_min_free_mib: 1024,
+            disk_cache_dir: None,
+            disk_cache_mib: 16384,
+            disk_cache_days: 7.0,
+            faults: String::new(),
+        }
+    }
+}
+
+impl CacheOptions {
+    /// The disk tier's folder: the option, else the user's cache folder; `None` when neither
+    /// `XDG_CACHE_HOME` nor `HOME` is set.
+    pub fn disk_dir(&self) -> Option<PathBuf> {
+        if let Some(d) = &self.disk_cache_dir {
+            return Some(d.clone());
+        }
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        Some(base.join("strata-rs").join("kv"))
+    }
+}
+
+/// A restore as the log line reports it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RestoreRecord {
+    pub tokens: usize,
+    pub from_host: usize,
+    pub from_disk: usize,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// The cache's counters, published with the engine's stats after each step.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStats {
+    pub host_blocks: usize,
+    pub host_bytes: u64,
+    pub host_budget: u64,
+    pub disk_blocks: usize,
+    pub disk_bytes: u64,
+    pub disk_budget: u64,
+    pub disk_dir: Option<String>,
+    /// (from, to, result) -> blocks moved.
+    pub moves: BTreeMap<(Tier, Tier, MoveResult), u64>,
+    /// (from, to) -> bytes moved successfully.
+    pub moved_bytes: BTreeMap<(Tier, Tier), u64>,
+    pub refusals: BTreeMap<Gate, u64>,
+    /// Prompt tokens restored from each tier below the device.
+    pub hit_tokens_host: u64,
+    pub hit_tokens_disk: u64,
+    /// Disk files found bad (at the startup scan or on a read) and deleted.
+    pub corrupt_files: u64,
+    /// Files adopted by the startup scan.
+    pub adopted_files: u64,
+    pub last_restore: Option<RestoreRecord>,
+}
+
+/// Mebibytes for log lines: two decimals below 10 MiB, so that one block does not read as 0.
+pub fn mib(bytes: u64) -> String {
+    let m = bytes as f64 / (1u64 << 20) as f64;
+    if m < 10.0 {
+        format!("{m:.2} MiB")
+    } else {
+        format!("{m:.0} MiB")
+    }
+}

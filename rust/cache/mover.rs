@@ -1,0 +1,560 @@
+//! ConversationCache: the host and disk tiers and every move between them and the device.
+//!
+//! Moves run on the engine thread, between steps, synchronously: on the CPU backend a block copy
+//! is a memcpy, and an onload must finish before the prefill that follows it anyway.
+
+use std::time::Instant;
+
+use super::disk::{BlockLayout, DiskError, DiskOptions, DiskTier};
+use super::faults::{FaultKind, Faults};
+use super::host::HostTier;
+use super::{mib, CacheOptions, CacheStats, Gate, MoveResult, RestoreRecord, Tier};
+use crate::device::host::RamGate;
+use crate::error::Result;
+use crate::kv::blocks::BlockPool;
+use crate::kv::prefix::Evicted;
+
+const LOG: &str = "strata_rs.cache";
+
+pub struct ConversationCache {
+    host: HostTier,
+    disk: Option<DiskTier>,
+    gate: RamGate,
+    faults: Faults,
+    block_size: usize,
+    block_bytes: usize,
+    /// One block: staging for device -> disk writes and disk -> device reads, allocated once.
+    scratch: Vec<u8>,
+    stats: CacheStats,
+}
+
+fn seconds_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64()
+}
+
+fn rate(bytes: u64, seconds: f64) -> String {
+    format!("{:.1} GB/s", bytes as f64 / seconds.max(1e-9) / 1e9)
+}
+
+impl ConversationCache {
+    /// Opens the tiers. A disk folder that cannot be opened leaves the disk tier off (logged);
+    /// only bad option values are errors.
+    pub fn new(opts: &CacheOptions, layout: BlockLayout, gate: RamGate) -> Result<Self> {
+        let faults = Faults::parse(&opts.faults, "cache_faults")?;
+        if opts.disk_cache_days.is_nan() || opts.disk_cache_days < 0.0 {
+            return Err(crate::error::StrataError::invalid(
+                "disk_cache_days",
+                format!("must be >= 0, got {}", opts.disk_cache_days),
+            ));
+        }
+        let block_bytes = layout.block_bytes as usize;
+        let mut stats = CacheStats::default();
+        let disk = match (opts.disk_cache_mib, opts.disk_dir()) {
+            (0, _) => None,
+            (_, None) => {
+                log::warn!(target: LOG, "disk tier off: no disk_cache_dir, and neither XDG_CACHE_HOME nor HOME is set");
+                None
+            }
+            (budget_mib, Some(dir)) => {
+                let disk_opts = DiskOptions {
+                    dir: dir.clone(),
+                    budget_bytes: (budget_mib as u64) << 20,
+                    max_age_days: opts.disk_cache_days,
+                };
+                match DiskTier::open(disk_opts, layout) {
+                    Ok((tier, scan)) => {
+                        log::info!(
+                            target: LOG,
+                            "disk tier {}: adopted {} blocks ({}), deleted {} corrupt, {} expired, {} over budget, {} temp files",
+                            dir.display(),
+                            scan.adopted,
+                            mib(scan.adopted_bytes),
+                            scan.corrupt_deleted,
+                            scan.expired_deleted,
+                            scan.over_budget_deleted,
+                            scan.temp_deleted
+                        );
+                        stats.adopted_files = scan.adopted as u64;
+                        stats.corrupt_files = scan.corrupt_deleted as u64;
+                        Some(tier)
+                    }
+                    Err(e) => {
+                        log::warn!(target: LOG, "disk tier off: {e}");
+                        None
+                    }
+                }
+            }
+        };
+        stats.host_budget = (opts.host_cache_mib as u64) << 20;
+        stats.disk_dir = disk.as_ref().map(|d| d.dir().display().to_string());
+        let mut cache = ConversationCache {
+            host: HostTier::new((opts.host_cache_mib as u64) << 20),
+            disk,
+            gate,
+            faults,
+            block_size: layout.block_size as usize,
+            block_bytes,
+            scratch: Vec::new(),
+            stats,
+        };
+        cache.refresh_sizes();
+        Ok(cache)
+    }
+
+    /// No tiers below the device (scheduler tests, and `host_cache_mib=0, disk_cache_mib=0`).
+    pub fn off(block_size: usize, block_bytes: usize) -> Self {
+        ConversationCache {
+            host: HostTier::new(0),
+            disk: None,
+            gate: RamGate::system(0),
+            faults: Faults::default(),
+            block_size,
+            block_bytes,
+            scratch: Vec::new(),
+            stats: CacheStats::default(),
+        }
+    }
+
+    fn host_on(&self) -> bool {
+        self.host.budget() > 0
+    }
+
+    pub fn is_off(&self) -> bool {
+        !self.host_on() && self.disk.is_none()
+    }
+
+    pub fn stats(&self) -> &CacheStats {
+        &self.stats
+    }
+
+    fn count(&mut self, from: Tier, to: Tier, result: MoveResult, blocks: usize) {
+        if blocks > 0 {
+            *self.stats.moves.entry((from, to, result)).or_default() += blocks as u64;
+        }
+        if result == MoveResult::Ok {
+            *self.stats.moved_bytes.entry((from, to)).or_default() +=
+                (blocks * self.block_bytes) as u64;
+        }
+    }
+
+    fn refuse(&mut self, gate: Gate) {
+        *self.stats.refusals.entry(gate).or_default() += 1;
+    }
+
+    fn refresh_sizes(&mut self) {
+        self.stats.host_blocks = self.host.len();
+        self.stats.host_bytes = self.host.bytes();
+        if let Some(d) = &self.disk {
+            self.stats.disk_blocks = d.len();
+            self.stats.disk_bytes = d.bytes();
+            self.stats.disk_budget = d.budget();
+        }
+    }
+
+    /// The one-block staging buffer of disk moves, allocated on first use through the RAM gate
+    /// (a refusal refuses that move; a later one tries again). Kept for the engine's life.
+    fn staging(&mut self) -> std::result::Result<(), String> {
+        if self.scratch.len() == self.block_bytes {
+            return Ok(());
+        }
+        self.gate
+            .admit(self.block_bytes as u64)
+            .map_err(|r| format!("no staging buffer: {r}"))?;
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(self.block_bytes)
+            .map_err(|e| format!("no staging buffer: {e}"))?;
+        buf.resize(self.block_bytes, 0);
+        self.scratch = buf;
+        Ok(())
+    }
+
+    /// Cached device blocks about to be reused: their K/V goes to the host tier when the RAM
+    /// gate admits it, else to disk, else it is dropped. Blocks already below are only refreshed.
+    pub fn offload(&mut self, kv: &BlockPool, evicted: &[Evicted]) {
+        if evicted.is_empty() || self.is_off() {
+            return;
+        }
+        let bs = self.block_size;
+        let mut todo: Vec<&Evicted> = Vec::with_capacity(evicted.len());
+        for e in evicted {
+            if self.host.contains(e.hash, &e.tokens) {
+                self.host.touch(e.hash);
+            } else {
+                todo.push(e);
+            }
+        }
+        if todo.is_empty() {
+            return;
+        }
+        let need = (todo.len() * self.block_bytes) as u64;
+        let started = Instant::now();
+        let mut host_refusal: Option<String> = None;
+        if !self.host_on() {
+            host_refusal = Some("host tier off".into());
+        } else if !self.host.can_ever_hold(self.block_bytes as u64) {
+            self.refuse(Gate::HostBudget);
+            host_refusal = Some(format!(
+                "host budget {} is smaller than one block",
+                mib(self.host.budget())
+            ));
+        } else if let Err(r) = self.gate.admit(need) {
+            self.refuse(Gate::Ram);
+            host_refusal = Some(r.to_string());
+        }
+        let (mut to_host, mut host_failed) = (0usize, None::<String>);
+        let mut below: Vec<&Evicted> = Vec::new();
+        for e in todo {
+            if host_refusal.is_none() {
+                match self.copy_to_host(kv, e) {
+                    Ok(()) => {
+                        to_host += 1;
+                        continue;
+                    }
+                    Err(why) => {
+                        self.count(Tier::Device, Tier::Host, MoveResult::Failed, 1);
+                        host_failed.get_or_insert(why);
+                    }
+                }
+            }
+            below.push(e);
+        }
+        if host_refusal.is_some() && self.host_on() {
+            self.count(Tier::Device, Tier::Host, MoveResult::Refused, below.len());
+        }
+        self.count(Tier::Device, Tier::Host, MoveResult::Ok, to_host);
+        if to_host > 0 {
+            let s = seconds_since(started);
+            let bytes = (to_host * self.block_bytes) as u64;
+            log::debug!(target: LOG, "offloaded {} tokens to host in {:.1} ms ({})", to_host * bs, s * 1e3, rate(bytes, s));
+        }
+        if let Some(why) = host_refusal.filter(|_| self.host_on()) {
+            log::warn!(target: LOG, "skip offload of {} tokens to host: {why}", below.len() * bs);
+        }
+        if let Some(why) = host_failed {
+            log::warn!(target: LOG, "skip offload to host ({} of them): {why}", below.len() * bs);
+        }
+        // What the host did not take goes to disk, straight from the device.
+        let (mut written, mut failed) = (0usize, None::<String>);
+        for e in &below {
+            match self.write_to_disk(kv, e) {
+                Some(Ok(())) => written += 1,
+                Some(Err(why)) => {
+                    failed.get_or_insert(why);
+                }
+                None => {}
+            }
+        }
+        if let Some(why) = failed {
+            log::warn!(target: LOG, "skip offload to disk: {why}");
+        }
+        if written > 0 {
+            log::debug!(target: LOG, "wrote {} tokens to disk", written * bs);
+        }
+        self.refresh_sizes();
+    }
+
+    /// Copies one device block into the host tier, making room by moving the host's oldest
+    /// blocks to disk.
+    fn copy_to_host(&mut self, kv: &BlockPool, e: &Evicted) -> std::result::Result<(), String> {
+        while !self.host.has_room(self.block_bytes as u64) {
+            let Some((hash, old)) = self.host.pop_oldest() else {
+                break;
+            };
+            if let Err(why) = self.demote(hash, &old.tokens, &old.data) {
+                log::warn!(target: LOG, "skip move of {} tokens from host to disk: {why}", old.tokens.len());
+            }
+        }
+        // The RAM gate admitted the whole batch already: this is the allocation itself.
+        if self.faults.fails(FaultKind::Alloc) {
+            return Err("allocation failed (injected fault)".into());
+        }
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(self.block_bytes)
+            .map_err(|err| format!("allocation failed: {err}"))?;
+        buf.resize(self.block_bytes, 0);
+        if self.faults.fails(FaultKind::CopyOut) {
+            return Err("copy failed (injected fault)".into());
+        }
+        kv.read_block(e.block, &mut buf);
+        self.host
+            .insert(e.hash, e.tokens.clone(), buf.into_boxed_slice());
+        Ok(())
+    }
+
+    /// A host block leaving RAM: written to disk unless it is there already.
+    fn demote(
+        &mut self,
+        hash: u64,
+        tokens: &[u32],
+        data: &[u8],
+    ) -> std::result::Result<(), String> {
+        let Some(disk) = self.disk.as_mut() else {
+            return Ok(());
+        };
+        if disk.contains(hash, tokens) {
+            disk.touch(hash);
+            return Ok(());
+        }
+        if self.faults.fails(FaultKind::Write) {
+            self.count(Tier::Host, Tier::Disk, MoveResult::Failed, 1);
+            return Err("write failed (injected fault)".into());
+        }
+        let result = disk.write(hash, tokens, data);
+        self.disk_result(Tier::Host, result)
+    }
+
+    /// A device block written straight to disk; `None` when there is no disk tier.
+    fn write_to_disk(
+        &mut self,
+        kv: &BlockPool,
+        e: &Evicted,
+    ) -> Option<std::result::Result<(), String>> {
+        let disk = self.disk.as_mut()?;
+        if disk.contains(e.hash, &e.tokens) {
+            disk.touch(e.hash);
+            return Some(Ok(()));
+        }
+        if self.faults.fails(FaultKind::Write) {
+            self.count(Tier::Device, Tier::Disk, MoveResult::Failed, 1);
+            return Some(Err("write failed (injected fault)".into()));
+        }
+        if let Err(why) = self.staging() {
+            self.refuse(Gate::Ram);
+            self.count(Tier::Device, Tier::Disk, MoveResult::Refused, 1);
+            return Some(Err(why));
+        }
+        let disk = self.disk.as_mut()?;
+        kv.read_block(e.block, &mut self.scratch);
+        let result = disk.write(e.hash, &e.tokens, &self.scratch);
+        Some(self.disk_result(Tier::Device, result))
+    }
+
+    fn disk_result(
+        &mut self,
+        from: Tier,
+        result: std::result::Result<bool, DiskError>,
+    ) -> std::result::Result<(), String> {
+        match result {
+            Ok(_) => {
+                self.count(from, Tier::Disk, MoveResult::Ok, 1);
+                Ok(())
+            }
+            Err(e @ DiskError::NoRoom { .. }) => {
+                self.refuse(Gate::DiskBudget);
+                self.count(from, Tier::Disk, MoveResult::Refused, 1);
+                Err(e.to_string())
+            }
+            Err(e) => {
+                self.count(from, Tier::Disk, MoveResult::Failed, 1);
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// How many blocks from block `from` on, consecutive, the tiers below the device hold for
+    /// this prompt (`hashes` are its full blocks' hashes). Found blocks are marked used, so that
+    /// making room for their onload does not push them out first.
+    pub fn probe(&mut self, hashes: &[u64], tokens: &[u32], from: usize) -> usize {
+        if self.is_off() {
+            return 0;
+        }
+        let bs = self.block_size;
+        let mut n = 0;
+        for (i, &h) in hashes.iter().enumerate().skip(from) {
+            let t = &tokens[i * bs..(i + 1) * bs];
+            if self.host.contains(h, t) {
+                self.host.touch(h);
+            } else if let Some(d) = self.disk.as_mut().filter(|d| d.contains(h, t)) {
+                d.touch(h);
+            } else {
+                break;
+            }
+            n += 1;
+        }
+        n
+    }
+
+    /// The device could not take an onload: the data stays below and the prompt is read.
+    pub fn refuse_onload(&mut self, tokens: usize, free: usize, need: usize) {
+        self.refuse(Gate::Device);
+        log::info!(
+            target: LOG,
+            "skip onload of {tokens} tokens: the device has {free} blocks free or evictable, needs {need}"
+        );
+    }
+
+    /// Copies blocks `from..from + dst.len()` of the prompt from the tiers below into the fresh
+    /// device blocks `dst` and indexes them there. Stops at the first block that cannot be
+    /// restored (gone, failed copy or read, bad checksum); returns how many were restored.
+    pub fn onload(
+        &mut self,
+        kv: &mut BlockPool,
+        dst: &[u32],
+        hashes: &[u64],
+        tokens: &[u32],
+        from: usize,
+    ) -> usize {
+        let bs = self.block_size;
+        let started = Instant::now();
+        let (mut from_host, mut from_disk) = (0usize, 0usize);
+        let mut stopped: Option<String> = None;
+        for (j, &block) in dst.iter().enumerate() {
+            let i = from + j;
+            let (h, t) = (hashes[i], &tokens[i * bs..(i + 1) * bs]);
+            if self.host.contains(h, t) {
+                if self.faults.fails(FaultKind::CopyIn) {
+                    self.count(Tier::Host, Tier::Device, MoveResult::Failed, 1);
+                    stopped = Some("copy from host failed (injected fault)".into());
+                    break;
+                }
+                if let Some(data) = self.host.get(h, t) {
+                    kv.write_block(block, data);
+                }
+                from_host += 1;
+            } else if self.disk.as_ref().is_some_and(|d| d.contains(h, t)) {
+                match self.read_from_disk(h, t) {
+                    Ok(()) => kv.write_block(block, &self.scratch),
+                    Err(why) => {
+                        self.count(Tier::Disk, Tier::Device, MoveResult::Failed, 1);
+                        stopped = Some(why);
+                        break;
+                    }
+                }
+                from_disk += 1;
+            } else {
+                stopped = Some("the block left the tiers below".into());
+                break;
+            }
+            kv.register(block, h, t);
+        }
+        self.count(Tier::Host, Tier::Device, MoveResult::Ok, from_host);
+        self.count(Tier::Disk, Tier::Device, MoveResult::Ok, from_disk);
+        let restored = from_host + from_disk;
+        self.stats.hit_tokens_host += (from_host * bs) as u64;
+        self.stats.hit_tokens_disk += (from_disk * bs) as u64;
+        if restored > 0 {
+            let seconds = seconds_since(started);
+            let bytes = (restored * self.block_bytes) as u64;
+            let source = match (from_host, from_disk) {
+                (_, 0) => "host".to_string(),
+                (0, _) => "disk".to_string(),
+                (h, d) => format!("host ({} tokens) and disk ({} tokens)", h * bs, d * bs),
+            };
+            log::info!(
+                target: LOG,
+                "restored {} tokens from {source} in {:.1} ms ({})",
+                restored * bs,
+                seconds * 1e3,
+                rate(bytes, seconds)
+            );
+            self.stats.last_restore = Some(RestoreRecord {
+                tokens: restored * bs,
+                from_host: from_host * bs,
+                from_disk: from_disk * bs,
+                bytes,
+                seconds,
+            });
+        }
+        if let Some(why) = stopped {
+            log::warn!(
+                target: LOG,
+                "restore stopped after {} of {} tokens: {why}; the rest is recomputed",
+                restored * bs,
+                dst.len() * bs
+            );
+        }
+        self.refresh_sizes();
+        restored
+    }
+
+    /// Reads one block from disk into `scratch`.
+    fn read_from_disk(&mut self, hash: u64, tokens: &[u32]) -> std::result::Result<(), String> {
+        if self.faults.fails(FaultKind::Read) {
+            return Err("read from disk failed (injected fault)".into());
+        }
+        self.staging()?;
+        let Some(disk) = self.disk.as_mut() else {
+            return Err("no disk tier".into());
+        };
+        match disk.read(hash, tokens, &mut self.scratch) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if matches!(e, DiskError::Corrupt(_)) {
+                    self.stats.corrupt_files += 1;
+                }
+                Err(e.to_string())
+            }
+        }
+    }
+
+    /// A clean shutdown: writes every cached block (host tier, then the device's prefix cache)
+    /// that is not on disk yet, so that the next start finds the conversations.
+    pub fn persist(&mut self, kv: &BlockPool) {
+        if self.disk.is_none() {
+            return;
+        }
+        let started = Instant::now();
+        let (mut written, mut present, mut failed) = (0usize, 0usize, None::<String>);
+        let host: Vec<(u64, Box<[u32]>)> = self
+            .host
+            .iter_oldest_first()
+            .map(|(h, t, _)| (h, t.into()))
+            .collect();
+        for (hash, tokens) in host {
+            if self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.contains(hash, &tokens))
+            {
+                present += 1;
+                continue;
+            }
+            let Some(data) = self.host.get(hash, &tokens).map(|d| d.to_vec()) else {
+                continue;
+            };
+            match self.demote(hash, &tokens, &data) {
+                Ok(()) => written += 1,
+                Err(why) => {
+                    failed.get_or_insert(why);
+                }
+            }
+        }
+        let device: Vec<Evicted> = kv
+            .cached_blocks()
+            .map(|(block, hash, tokens)| Evicted {
+                block,
+                hash,
+                tokens: tokens.into(),
+            })
+            .collect();
+        for e in &device {
+            if self
+                .disk
+                .as_ref()
+                .is_some_and(|d| d.contains(e.hash, &e.tokens))
+            {
+                present += 1;
+                continue;
+            }
+            match self.write_to_disk(kv, e) {
+                Some(Ok(())) => written += 1,
+                Some(Err(why)) => {
+                    failed.get_or_insert(why);
+                }
+                None => {}
+            }
+        }
+        let bs = self.block_size;
+        log::info!(
+            target: LOG,
+            "saved {} tokens to disk in {:.1} ms ({} already there)",
+            written * bs,
+            seconds_since(started) * 1e3,
+            present * bs
+        );
+        if let Some(why) = failed {
+            log::warn!(target: LOG, "some blocks were not saved: {why}");
+        }
+        self.refresh_sizes();
+    }
+}
