@@ -558,3 +558,167 @@ impl ConversationCache {
         self.refresh_sizes();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::host::CgroupMemory;
+    use crate::kv::blocks::KvDtype;
+    use crate::kv::prefix::extend_hashes;
+
+    const BS: usize = 2;
+
+    /// A pool of `blocks` blocks (1 layer, 1 head, head_dim 2) and a cache over it whose RAM gate
+    /// reads a fake meminfo with `available_kib` available and no floor.
+    fn setup(
+        dir: &std::path::Path,
+        blocks: usize,
+        available_kib: u64,
+        host_mib: usize,
+        disk_mib: usize,
+        faults: &str,
+    ) -> (BlockPool, ConversationCache) {
+        let pool = BlockPool::new(1, blocks, BS, 1, 2, KvDtype::F32).unwrap();
+        let meminfo = dir.join("meminfo");
+        std::fs::write(&meminfo, format!("MemAvailable: {available_kib} kB\n")).unwrap();
+        let gate = RamGate::with_paths(meminfo, CgroupMemory::None, 0);
+        let opts = CacheOptions {
+            host_cache_mib: host_mib,
+            disk_cache_dir: Some(dir.join("kv")),
+            disk_cache_mib: disk_mib,
+            faults: faults.into(),
+            ..CacheOptions::default()
+        };
+        let layout = BlockLayout {
+            salt: 7,
+            kv_dtype: 4,
+            block_size: BS as u32,
+            num_layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            block_bytes: pool.bytes_per_block() as u64,
+        };
+        let cache = ConversationCache::new(&opts, layout, gate).unwrap();
+        (pool, cache)
+    }
+
+    /// Fills a sequence of `tokens` into fresh blocks (K = token id, V = -id), registers its
+    /// full blocks and releases them: they stay cached, evictable.
+    fn cached_sequence(pool: &mut BlockPool, tokens: &[u32]) -> Vec<u64> {
+        let mut hashes = Vec::new();
+        extend_hashes(7, tokens, BS, &mut hashes);
+        let blocks = pool.allocate(tokens.len() / BS).unwrap().blocks;
+        for (p, &t) in tokens.iter().enumerate() {
+            let slot = pool.slot(&blocks, p);
+            pool.write(0, slot, &[t as f32, 0.5], &[-(t as f32), 0.25]);
+        }
+        for (i, &b) in blocks.iter().enumerate() {
+            pool.register(b, hashes[i], &tokens[i * BS..(i + 1) * BS]);
+        }
+        pool.release(&blocks);
+        hashes
+    }
+
+    /// K of every position in `table`, as written by `cached_sequence`.
+    fn keys(pool: &BlockPool, table: &[u32], len: usize) -> Vec<f32> {
+        let l = pool.layer(0);
+        (0..len).map(|p| l.k.get(pool.slot(table, p) * 2)).collect()
+    }
+
+    fn moved(c: &ConversationCache, from: Tier, to: Tier, r: MoveResult) -> u64 {
+        c.stats().moves.get(&(from, to, r)).copied().unwrap_or(0)
+    }
+
+    #[test]
+    fn evicted_blocks_go_to_host_and_come_back_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 1, 0, "");
+        let tokens = [11u32, 12, 13, 14, 15, 16];
+        let hashes = cached_sequence(&mut pool, &tokens);
+        // Another sequence takes every block: all three cached blocks are evicted.
+        let a = pool.allocate(4).unwrap();
+        assert_eq!(a.evicted.len(), 3);
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Host, MoveResult::Ok), 3);
+        assert_eq!(cache.stats().host_blocks, 3);
+        pool.release(&a.blocks);
+        // The conversation returns: all three are below the device, in order.
+        assert_eq!(cache.probe(&hashes, &tokens, 0), 3);
+        assert_eq!(cache.probe(&hashes, &[11, 12, 13, 99, 15, 16], 0), 1);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), 3);
+        let expect: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
+        assert_eq!(keys(&pool, &dst, 6), expect);
+        assert_eq!(
+            pool.lookup(&hashes, &tokens),
+            dst,
+            "restored blocks are indexed"
+        );
+        assert_eq!(cache.stats().hit_tokens_host, 6);
+        let r = cache.stats().last_restore.clone().unwrap();
+        assert_eq!((r.tokens, r.from_host), (6, 6));
+        assert_eq!(r.bytes, 3 * pool.bytes_per_block() as u64);
+    }
+
+    #[test]
+    fn a_ram_refusal_sends_blocks_to_disk_and_the_disk_restores_them() {
+        let dir = tempfile::tempdir().unwrap();
+        // Nothing available: the gate refuses everything.
+        let (mut pool, mut cache) = setup(dir.path(), 4, 0, 1, 1, "");
+        let tokens = [21u32, 22, 23, 24, 25, 26];
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(
+            moved(&cache, Tier::Device, Tier::Host, MoveResult::Refused),
+            3
+        );
+        // The disk's staging buffer is a host allocation too: refused for each block. One
+        // refusal for the host batch, three for the disk moves; nothing is lost but cache.
+        assert_eq!(cache.stats().refusals.get(&Gate::Ram), Some(&4));
+        assert_eq!(
+            moved(&cache, Tier::Device, Tier::Disk, MoveResult::Refused),
+            3
+        );
+        assert_eq!(cache.probe(&hashes, &tokens, 0), 0);
+        pool.release(&a.blocks);
+
+        // With memory for the staging block but a host tier that is off, blocks go to disk.
+        let dir = tempfile::tempdir().unwrap();
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
+        pool.release(&a.blocks);
+        assert_eq!(cache.probe(&hashes, &tokens, 0), 3);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), 3);
+        let expect: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
+        assert_eq!(keys(&pool, &dst, 6), expect);
+        assert_eq!(cache.stats().hit_tokens_disk, 6);
+    }
+
+    #[test]
+    fn a_failed_copy_in_stops_the_restore_at_that_block() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 1, 0, "copy_in:2");
+        let tokens = [31u32, 32, 33, 34, 35, 36];
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        pool.release(&a.blocks);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), 1);
+        assert_eq!(keys(&pool, &dst[..1], 2), [31.0, 32.0]);
+        assert_eq!(
+            moved(&cache, Tier::Host, Tier::Device, MoveResult::Failed),
+            1
+        );
+        assert_eq!(
+            pool.lookup(&hashes, &tokens),
+            dst[..1],
+            "only the restored block is indexed"
+        );
+    }
+}
