@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
@@ -169,7 +170,12 @@ impl DiskTier {
         opts: DiskOptions,
         layout: BlockLayout,
     ) -> Result<(DiskTier, ScanReport), DiskError> {
-        fs::create_dir_all(&opts.dir).map_err(|e| io_err(&opts.dir, e))?;
+        // Cached K/V is the user's conversations: folders we create are the owner's only.
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&opts.dir)
+            .map_err(|e| io_err(&opts.dir, e))?;
         let mut tier = DiskTier {
             dir: opts.dir,
             layout,
@@ -361,6 +367,7 @@ impl DiskTier {
         let written = OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&temp)
             .and_then(|mut f| {
                 f.write_all(&header)?;
@@ -667,6 +674,9 @@ mod tests {
         assert_eq!((t.len(), t.bytes()), (1, FILE_LEN));
         assert_eq!(fs::metadata(t.path_of(7)).unwrap().len(), FILE_LEN);
         assert_eq!(names(d.path()), vec![format!("{SALT:016x}-{:016x}.kvb", 7)]);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = fs::metadata(t.path_of(7)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "conversations are the owner's only");
 
         let mut out = vec![0u8; 64];
         t.read(7, &tokens(1), &mut out).unwrap();
@@ -720,6 +730,18 @@ mod tests {
         let mut out = vec![0u8; 64];
         t.read(5, &tokens(2), &mut out).unwrap();
         assert_eq!(out, payload(2));
+    }
+
+    #[test]
+    fn created_folders_are_the_owners_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("a").join("kv");
+        open(&dir, 1 << 20);
+        assert_eq!(
+            fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
     }
 
     #[test]
