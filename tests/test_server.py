@@ -1109,7 +1109,7 @@ def test_serve_flags_reach_engine_load(monkeypatch: pytest.MonkeyPatch, tmp_path
         "--disk-cache-dir", str(tmp_path / "kv"),
         "--disk-cache-mib", "0",
         "--disk-cache-days", "0.5",
-        "--cache-faults", "copy:2,read:*",
+        "--cache-faults", "copy_in:2,read:*",
     ]  # fmt: skip
     assert main(flags) == 0
     assert got.pop() == {
@@ -1119,7 +1119,7 @@ def test_serve_flags_reach_engine_load(monkeypatch: pytest.MonkeyPatch, tmp_path
         "disk_cache_dir": tmp_path / "kv",
         "disk_cache_mib": 0,
         "disk_cache_days": 0.5,
-        "cache_faults": "copy:2,read:*",
+        "cache_faults": "copy_in:2,read:*",
     }
 
 

@@ -333,8 +333,9 @@ class Engine:
         ~/.cache/strata-rs/kv).
         disk_cache_mib: disk tier budget; 0 turns the tier off.
         disk_cache_days: files older than this are deleted at start; 0 empties the tier at start.
-        cache_faults: fault injection for tests, e.g. "copy:2,read:*" (kinds alloc, copy, write,
-        read; N: the Nth operation of that kind fails, *: every one); default:
+        cache_faults: fault injection for tests, e.g. "copy_in:2,read:*" (kinds alloc,
+        copy_out, copy_in, write, read; N: the Nth operation of that kind fails, *: every one);
+        default:
         $STRATA_CACHE_FAULTS.
 
         A clean close() writes the cached K/V to the disk tier; the next load of the same model
