@@ -68,6 +68,38 @@ def _parser() -> argparse.ArgumentParser:
         help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
         "the Python stream's per-token overhead",
     )
+    b.add_argument(
+        "--conversations",
+        type=int,
+        nargs="?",
+        const=4,
+        default=None,
+        metavar="N",
+        help="instead of prefill/decode: N conversations (default 4) return in turn through "
+        "max_batch=2; TTFT of returning turns from the host tier, from disk after a restart, and "
+        "cold (--rounds returning rounds; with --compare llama.cpp, its RAM prompt cache too)",
+    )
+    b.add_argument(
+        "--history", type=int, default=2400, help="with --conversations: history tokens each"
+    )
+    b.add_argument(
+        "--new-tokens", type=int, default=60, help="with --conversations: new tokens per turn"
+    )
+    b.add_argument(
+        "--disk-dir",
+        type=Path,
+        default=None,
+        help="with --conversations: the disk tier's folder, emptied first (default: a temp dir)",
+    )
+    b.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="with --compare llama.cpp: use this GGUF of the model instead of exporting one",
+    )
+    b.add_argument(
+        "--plot", type=Path, default=None, help="with --conversations: write an SVG plot here"
+    )
 
     s = sub.add_parser(
         "serve",
@@ -133,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--cache-faults",
         default=None,
-        help="fault injection for tests, e.g. copy:2,read:* (default: $STRATA_CACHE_FAULTS)",
+        help="fault injection for tests, e.g. copy_in:2,read:* (kinds alloc, copy_out, copy_in, "
+        "write, read; default: $STRATA_CACHE_FAULTS)",
     )
     s.add_argument(
         "--api-key",
@@ -294,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata_rs import StrataError
 
     try:
+        if args.command == "bench" and args.conversations is not None:
+            return _bench_conversations(args)
         if args.command == "bench":
             result = asyncio.run(_bench(args))
             _print_bench(result)
@@ -322,6 +357,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"strata-rs: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     return 1
+
+
+def _bench_conversations(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from strata_rs.bench.conversations import print_conversations, run_conversations, write_svg
+
+    with tempfile.TemporaryDirectory(prefix="strata-conversations-") as tmp:
+        gguf = None
+        if args.compare == "llama.cpp":
+            from strata_rs.bench.gguf_export import export_gguf
+            from strata_rs.bench.peers import llama_cpp_available
+
+            hint = llama_cpp_available()
+            if hint is not None:
+                raise SystemExit(f"strata-rs: llama.cpp is not installed; {hint}")
+            gguf = args.gguf
+            if gguf is None:
+                dtype = json.loads((args.model / "config.json").read_text()).get("torch_dtype")
+                dtype = {"bfloat16": "bf16", "float16": "f16"}.get(dtype, "f32")
+                gguf = export_gguf(args.model, Path(tmp) / "model.gguf", dtype=dtype)
+        result = asyncio.run(
+            run_conversations(
+                args.model,
+                conversations=args.conversations,
+                history=args.history,
+                new_tokens=args.new_tokens,
+                rounds=args.rounds,
+                threads=args.threads,
+                device=args.device,
+                disk_dir=args.disk_dir or Path(tmp) / "kv",
+                llama_cpp_gguf=gguf,
+            )
+        )
+    print_conversations(result)
+    if args.plot is not None:
+        write_svg(result, args.plot, f"{args.model.name}: time to first token per returning turn")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,68 @@
+"""`strata-rs bench --conversations` on the tiny model: the scenario's structure, which tier served
+each phase, and the SVG plot. History 880 so that the 1 MiB device pool (128 blocks of 16) holds
+about 2.3 of the 4 conversations and returning turns must come from below the device."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from strata_rs.bench.conversations import plot_series, run_conversations, write_svg
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_returning_turns_come_from_host_then_disk_and_plot(
+    model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    model = model_dir("llama", max_position_embeddings=8192)
+    r = await run_conversations(
+        model,
+        history=880,
+        new_tokens=20,
+        rounds=1,
+        disk_dir=tmp_path / "kv",
+        memcpy_mib=16,
+        log=lambda _: None,
+    )
+    setup = r["setup"]
+    assert setup["kv_memory_mib"] == 1 and setup["device_holds_histories"] < 4
+    assert [t["phase"] for t in r["turns"]] == ["host"] * 4 + ["disk"] * 4 + ["disk_uncached"] * 4
+    for t in r["turns"]:
+        assert t["ttft_s"]["strata-rs"] > 0 and t["ttft_s"]["cold"] > 0
+        assert t["prompt_tokens"] > 880 + 20
+        restore = t["restore"]
+        assert restore is not None and restore["tokens"] > 0 and restore["gb_s"] > 0
+        # Every returning turn reused the history's full blocks: on the device or from below.
+        assert t["cached_tokens"] >= (t["prompt_tokens"] - 20 - 8) // 16 * 16
+        below = "host" if t["phase"] == "host" else "disk"
+        assert t["hit_tokens"][below] > 0 and t["hit_tokens"][below] == restore["tokens"]
+        if t["phase"] != "host":
+            assert t["hit_tokens"]["host"] == 0 and t["adopted_files"] > 0
+        if t["phase"] == "host":
+            assert t["ttft_s"]["device"] > 0 and t["device_cached_tokens"] >= t["cached_tokens"]
+    # Restored K/V gives exactly the tokens of K/V that never left the device.
+    assert r["answers_differ"] == 0
+    assert any("restored" in line for line in r["cache_log"])
+    med = r["median_ttft_s"]
+    assert med["host"] > 0 and med["disk"] > 0 and med["cold"] > 0
+    assert med["llama.cpp"] is None and r["ratios"]["host/llama.cpp"] is None
+    assert r["memcpy_gb_s"] > 0 and r["restore_gb_s"]["host"] > 0
+    assert r["targets"][0]["target"] == "host TTFT <= 5% of cold"
+
+    svg = write_svg(r, tmp_path / "conversations.svg", "tiny")
+    root = ET.parse(svg).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    polylines = root.findall(f"{ns}polyline")
+    series = plot_series(r)
+    assert list(series) == [
+        "cold",
+        "host tier",
+        "device (pool holds all)",
+        "disk tier after a restart",
+        "disk tier, page cache dropped",
+    ]
+    assert len(polylines) == len(series)
+    assert [len(p.get("points", "").split()) for p in polylines] == [12, 4, 4, 4, 4]
