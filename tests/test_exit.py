@@ -33,8 +33,11 @@ EXIT_MID_STREAM = textwrap.dedent(
         ]
         for s in streams:
             await s.__anext__()
-        # Left pending: asyncio.run cancels them as it returns, and the engine keeps generating.
+        # Left pending: nobody awaits them; the engine keeps generating, or is closed, which
+        # ends them with EngineStopped (marked retrieved, so asyncio does not log it).
         pending = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        for f in pending:
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.sleep(0)
         if close:
             await engine.close()
@@ -63,4 +66,9 @@ def test_exit_with_streams_in_flight_is_clean(model_dir: MakeModel, mode: str) -
         results = list(pool.map(lambda _: run_once(model, mode), range(RUNS)))
     failed = [(r.returncode, r.stderr[-400:]) for r in results if r.returncode != 0]
     assert failed == []
-    assert all(r.stdout == "exiting 4\n" and r.stderr == "" for r in results)
+    # Two processes at a time share one disk tier folder (the test's XDG_CACHE_HOME): neither
+    # may disturb the other's writes, so nothing is logged at warning level either.
+    unexpected = [
+        (r.stdout, r.stderr) for r in results if (r.stdout, r.stderr) != ("exiting 4\n", "")
+    ]
+    assert unexpected == []

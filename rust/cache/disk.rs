@@ -31,6 +31,9 @@ const VERSION: u32 = 1;
 const FIXED_HEADER: usize = 64;
 const EXT: &str = ".kvb";
 
+/// A temp file older than this is a crashed write's leftover; a younger one may be in progress.
+const TEMP_GRACE_SECS: f64 = 600.0;
+
 /// Makes temp names unique among the writers of this process (the pid covers other processes).
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -214,18 +217,20 @@ impl DiskTier {
                 continue;
             }
             let path = entry.path();
-            if is_temp {
-                if delete(&path) {
-                    report.temp_deleted += 1;
-                }
-                continue;
-            }
             // A file system without mtimes: treat the file as fresh rather than expire it.
             let mtime = meta.modified().unwrap_or(now);
             let age_secs = now
                 .duration_since(mtime)
                 .map(|d| d.as_secs_f64())
                 .unwrap_or(0.0);
+            if is_temp {
+                // A recent temp file may be another live engine's write in progress (two
+                // processes can share a folder): only a stale one is a crash's leftover.
+                if age_secs > TEMP_GRACE_SECS && delete(&path) {
+                    report.temp_deleted += 1;
+                }
+                continue;
+            }
             if max_age_days <= 0.0 || age_secs > max_age_secs {
                 if delete(&path) {
                     report.expired_deleted += 1;
@@ -1082,9 +1087,22 @@ mod tests {
         let theirs = d
             .path()
             .join(format!(".{}.tmp-123-0", file_name(0xfeed, 9)));
-        fs::write(&ours, b"partial").unwrap();
-        fs::write(&theirs, b"partial").unwrap();
+        // Another live process's write in progress: recent, so left alone.
+        let in_progress = d.path().join(format!(".{}.tmp-456-0", file_name(SALT, 8)));
+        for p in [&ours, &theirs, &in_progress] {
+            fs::write(p, b"partial").unwrap();
+        }
+        let stale = SystemTime::now() - std::time::Duration::from_secs(3600);
+        for p in [&ours, &theirs] {
+            File::options()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_modified(stale)
+                .unwrap();
+        }
         let (_, report) = open(d.path(), 1 << 20);
+        assert!(in_progress.exists(), "a recent temp file may be in use");
         assert_eq!(
             report,
             ScanReport {
