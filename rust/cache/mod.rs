@@ -111,6 +111,18 @@ impl Default for CacheOptions {
 }
 
 impl CacheOptions {
+    /// Checks the values a caller can get wrong, before anything is loaded.
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let days = self.disk_cache_days;
+        if days.is_nan() || days < 0.0 {
+            return Err(crate::error::StrataError::invalid(
+                "disk_cache_days",
+                format!("must be >= 0, got {days}"),
+            ));
+        }
+        faults::Faults::parse(&self.faults, "cache_faults").map(|_| ())
+    }
+
     /// The disk tier's folder: the option, else the user's cache folder; `None` when neither
     /// `XDG_CACHE_HOME` nor `HOME` is set.
     pub fn disk_dir(&self) -> Option<PathBuf> {
@@ -145,10 +157,8 @@ pub struct CacheStats {
     pub disk_bytes: u64,
     pub disk_budget: u64,
     pub disk_dir: Option<String>,
-    /// (from, to, result) -> blocks moved.
+    /// (from, to, result) -> blocks moved (every block is `kv_block_bytes`).
     pub moves: BTreeMap<(Tier, Tier, MoveResult), u64>,
-    /// (from, to) -> bytes moved successfully.
-    pub moved_bytes: BTreeMap<(Tier, Tier), u64>,
     pub refusals: BTreeMap<Gate, u64>,
     /// Prompt tokens restored from each tier below the device.
     pub hit_tokens_host: u64,

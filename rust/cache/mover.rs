@@ -36,17 +36,21 @@ fn rate(bytes: u64, seconds: f64) -> String {
     format!("{:.1} GB/s", bytes as f64 / seconds.max(1e-9) / 1e9)
 }
 
+/// A block-sized buffer, or why the allocator refused it (never an abort).
+fn zeroed_block(bytes: usize) -> std::result::Result<Vec<u8>, String> {
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(bytes)
+        .map_err(|e| format!("allocation failed: {e}"))?;
+    buf.resize(bytes, 0);
+    Ok(buf)
+}
+
 impl ConversationCache {
     /// Opens the tiers. A disk folder that cannot be opened leaves the disk tier off (logged);
     /// only bad option values are errors.
     pub fn new(opts: &CacheOptions, layout: BlockLayout, gate: RamGate) -> Result<Self> {
+        opts.validate()?;
         let faults = Faults::parse(&opts.faults, "cache_faults")?;
-        if opts.disk_cache_days.is_nan() || opts.disk_cache_days < 0.0 {
-            return Err(crate::error::StrataError::invalid(
-                "disk_cache_days",
-                format!("must be >= 0, got {}", opts.disk_cache_days),
-            ));
-        }
         let block_bytes = layout.block_bytes as usize;
         let mut stats = CacheStats::default();
         let disk = match (opts.disk_cache_mib, opts.disk_dir()) {
@@ -131,10 +135,6 @@ impl ConversationCache {
         if blocks > 0 {
             *self.stats.moves.entry((from, to, result)).or_default() += blocks as u64;
         }
-        if result == MoveResult::Ok {
-            *self.stats.moved_bytes.entry((from, to)).or_default() +=
-                (blocks * self.block_bytes) as u64;
-        }
     }
 
     fn refuse(&mut self, gate: Gate) {
@@ -160,11 +160,8 @@ impl ConversationCache {
         self.gate
             .admit(self.block_bytes as u64)
             .map_err(|r| format!("no staging buffer: {r}"))?;
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(self.block_bytes)
-            .map_err(|e| format!("no staging buffer: {e}"))?;
-        buf.resize(self.block_bytes, 0);
-        self.scratch = buf;
+        self.scratch =
+            zeroed_block(self.block_bytes).map_err(|e| format!("no staging buffer: {e}"))?;
         Ok(())
     }
 
@@ -268,10 +265,7 @@ impl ConversationCache {
         if self.faults.fails(FaultKind::Alloc) {
             return Err("allocation failed (injected fault)".into());
         }
-        let mut buf = Vec::new();
-        buf.try_reserve_exact(self.block_bytes)
-            .map_err(|err| format!("allocation failed: {err}"))?;
-        buf.resize(self.block_bytes, 0);
+        let mut buf = zeroed_block(self.block_bytes)?;
         if self.faults.fails(FaultKind::CopyOut) {
             return Err("copy failed (injected fault)".into());
         }

@@ -133,6 +133,12 @@ impl Engine {
     /// Loads the model folder and starts the engine thread. Blocking: run it off the event loop.
     pub fn load(dir: &Path, opts: EngineOptions) -> Result<Engine> {
         device::check_available(&opts.device)?;
+        let mut cache_opts = opts.cache.clone();
+        if cache_opts.faults.is_empty() {
+            // Fault injection reaches a server's engine through its environment.
+            cache_opts.faults = std::env::var("STRATA_CACHE_FAULTS").unwrap_or_default();
+        }
+        cache_opts.validate()?;
         if opts.max_batch_tokens == 0 {
             return Err(StrataError::invalid(
                 "max_batch_tokens",
@@ -182,11 +188,6 @@ impl Engine {
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);
         let salt = fingerprint(dir, &config, kv_dtype, BLOCK_SIZE);
-        let mut cache_opts = opts.cache.clone();
-        if cache_opts.faults.is_empty() {
-            // Fault injection reaches a server's engine through its environment.
-            cache_opts.faults = std::env::var("STRATA_CACHE_FAULTS").unwrap_or_default();
-        }
         let layout = BlockLayout {
             salt,
             kv_dtype: kv_dtype.size() as u8,

@@ -273,12 +273,6 @@ impl PyEngine {
         disk_cache_days: f64,
         cache_faults: Option<String>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if disk_cache_days.is_nan() || disk_cache_days < 0.0 {
-            return Err(to_pyerr(StrataError::invalid(
-                "disk_cache_days",
-                format!("must be >= 0, got {disk_cache_days}"),
-            )));
-        }
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
             host_min_free_mib: usize_arg(Some(host_min_free_mib), "host_min_free_mib")?

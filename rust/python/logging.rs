@@ -5,7 +5,6 @@
 //! interpreter. `STRATA_LOG=debug` also forwards debug records (each cache move).
 
 use std::sync::mpsc::{channel, Sender};
-use std::sync::Mutex;
 
 use pyo3::prelude::*;
 
@@ -18,7 +17,7 @@ struct Record {
 }
 
 struct Forwarder {
-    queue: Mutex<Sender<Record>>,
+    queue: Sender<Record>,
 }
 
 impl log::Log for Forwarder {
@@ -43,7 +42,7 @@ impl log::Log for Forwarder {
             message: record.args().to_string(),
         };
         // The forwarder is gone only when the process is ending.
-        let _ = self.queue.lock().map(|q| q.send(r));
+        let _ = self.queue.send(r);
     }
 
     fn flush(&self) {}
@@ -60,9 +59,7 @@ fn emit(py: Python<'_>, r: &Record) -> PyResult<()> {
 /// Installs the forwarder (once per process; a logger another library installed first wins).
 pub fn install() {
     let (tx, rx) = channel::<Record>();
-    let forwarder = Forwarder {
-        queue: Mutex::new(tx),
-    };
+    let forwarder = Forwarder { queue: tx };
     if log::set_boxed_logger(Box::new(forwarder)).is_err() {
         return;
     }
