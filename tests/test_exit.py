@@ -25,6 +25,8 @@ EXIT_MID_STREAM = textwrap.dedent(
     import asyncio, sys
     from strata_rs import Engine
 
+    pending: list[asyncio.Future] = []
+
     async def main(path: str, close: bool) -> None:
         engine = await Engine.load(path, max_context=4096)
         streams = [
@@ -33,17 +35,21 @@ EXIT_MID_STREAM = textwrap.dedent(
         ]
         for s in streams:
             await s.__anext__()
-        # Left pending: nobody awaits them; the engine keeps generating, or is closed, which
-        # ends them with EngineStopped (marked retrieved, so asyncio does not log it).
-        pending = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        for f in pending:
-            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        # Left pending: nobody awaits them; the engine keeps generating, or is closed (here, or
+        # when `engine` is dropped as main returns), which ends them with EngineStopped.
+        pending.extend(asyncio.ensure_future(s.__anext__()) for s in streams)
         await asyncio.sleep(0)
         if close:
             await engine.close()
         print("exiting", len(pending), flush=True)
 
     asyncio.run(main(sys.argv[1], sys.argv[2] == "close"))
+    # The loop is closed, so nothing settles these any more. Retrieve what the engine's stop
+    # settled, as an application that abandons futures must, or asyncio logs "Future exception
+    # was never retrieved" (a done callback would race the loop's shutdown).
+    for f in pending:
+        if f.done() and not f.cancelled():
+            f.exception()
     """
 )
 
