@@ -377,6 +377,7 @@ async def run_compare(
                 reason = f"failed to load: {type(e).__name__}: {e}"
                 progress.note(f"{name}: {reason}")
                 na[name] = {key: reason for key, _, _ in rows}
+                skipped[name] = reason
                 continue
             peers[name] = peer
             versions[name] = peer.version
@@ -624,14 +625,7 @@ def summarize(
         "spec": {k: (str(v) if isinstance(v, Path) else v) for k, v in spec.__dict__.items()},
         "engines": engines,
         "versions": versions,
-        "peers": {
-            name: (
-                {"status": "skipped", "reason": skipped[name], "install": INSTALL[name]}
-                if name in skipped
-                else {"status": "ran", "version": versions.get(name), "na": na.get(name, {})}
-            )
-            for name in spec.peers
-        },
+        "peers": {name: _peer_status(name, skipped, versions, na) for name in spec.peers},
         "rows": [{"key": k, "label": label, "unit": u} for k, label, u in rows],
         "units": units,
         "medians": medians,
@@ -642,6 +636,16 @@ def summarize(
         "decode_fraction_of_bandwidth": bound,
         "rounds": runs,
     }
+
+
+def _peer_status(
+    name: str, skipped: dict[str, str], versions: dict[str, str], na: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    if name in versions:
+        return {"status": "ran", "version": versions[name], "na": na.get(name, {})}
+    if skipped.get(name, "").startswith("failed to load"):
+        return {"status": "failed", "reason": skipped[name]}
+    return {"status": "skipped", "reason": skipped.get(name), "install": INSTALL[name]}
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -707,9 +711,10 @@ def format_table(r: dict[str, Any]) -> list[str]:
                     f"{frac:.0%} of it (context {k.split('_')[1]})" for k, frac in fractions.items()
                 )
             )
-    lines.append(
-        "x: how many times faster strata-rs is (tok/s: ours / theirs; TTFT: theirs / ours)"
-    )
+    if len(engines) > 1:
+        lines.append(
+            "x: how many times faster strata-rs is (tok/s: ours / theirs; TTFT: theirs / ours)"
+        )
     if note_lines:
         lines.append("n/a:")
         lines += note_lines
