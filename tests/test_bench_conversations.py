@@ -1,6 +1,7 @@
 """`strata-rs bench --conversations` on the tiny model: the scenario's structure, which tier served
-each phase, and the SVG plot. History 880 so that the 1 MiB device pool (128 blocks of 16) holds
-about 2.3 of the 4 conversations and returning turns must come from below the device."""
+each phase, and the plot (SVG; PNG too when matplotlib is installed). History 880 so that the
+1 MiB device pool (128 blocks of 16) holds about 2.3 of the 4 conversations and returning turns
+must come from below the device."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from strata_rs.bench.conversations import plot_series, run_conversations, write_svg
+from strata_rs.bench.conversations import plot_series, run_conversations, write_png, write_svg
 
 pytestmark = pytest.mark.anyio
 
@@ -66,3 +67,11 @@ async def test_returning_turns_come_from_host_then_disk_and_plot(
     ]
     assert len(polylines) == len(series)
     assert [len(p.get("points", "").split()) for p in polylines] == [12, 4, 4, 4, 4]
+
+    # The same plot through matplotlib (`--plot turns.png`), when it is installed.
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    png = write_png(r, tmp_path / "conversations.png", "tiny").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"tEXtSoftware\x00Matplotlib" in png

@@ -24,6 +24,24 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _peer_list(text: str) -> list[str]:
+    from strata_rs.bench.peers import parse_peers
+
+    try:
+        return parse_peers(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _scenario_list(text: str) -> list[str]:
+    from strata_rs.bench.compare import parse_scenarios
+
+    try:
+        return parse_scenarios(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="strata-rs",
@@ -51,9 +69,32 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     b.add_argument(
         "--compare",
-        choices=("llama.cpp",),
+        type=_peer_list,
         default=None,
-        help="also run this peer on the same weights, interleaved with strata-rs round by round",
+        metavar="PEER,...",
+        help="also run these peers on the same weights, interleaved with strata-rs round by "
+        "round, and print a table of medians and ratios: llama.cpp, transformers, mistralrs "
+        "(or all); a peer that is not installed is skipped with its install command",
+    )
+    b.add_argument(
+        "--scenario",
+        type=_scenario_list,
+        default=None,
+        metavar="NAME,...",
+        help="what the compare table measures: prefill, decode, streams, conversation (or all; "
+        "default with --compare: all)",
+    )
+    b.add_argument(
+        "--streams",
+        type=_int_list,
+        default=[1, 4, 8],
+        help="the streams scenario's concurrent streams (default 1,4,8)",
+    )
+    b.add_argument(
+        "--stream-prompt", type=int, default=128, help="the streams scenario's prompt tokens"
+    )
+    b.add_argument(
+        "--stream-tokens", type=int, default=64, help="the streams scenario's tokens per stream"
     )
     b.add_argument("--rounds", type=int, default=3, help="interleaved rounds with --compare")
     b.add_argument(
@@ -80,16 +121,23 @@ def _parser() -> argparse.ArgumentParser:
         "cold (--rounds returning rounds; with --compare llama.cpp, its RAM prompt cache too)",
     )
     b.add_argument(
-        "--history", type=int, default=2400, help="with --conversations: history tokens each"
+        "--history",
+        type=int,
+        default=2400,
+        help="with --conversations or the conversation scenario: history tokens each",
     )
     b.add_argument(
-        "--new-tokens", type=int, default=60, help="with --conversations: new tokens per turn"
+        "--new-tokens",
+        type=int,
+        default=60,
+        help="with --conversations or the conversation scenario: new tokens per turn",
     )
     b.add_argument(
         "--disk-dir",
         type=Path,
         default=None,
-        help="with --conversations: the disk tier's folder, emptied first (default: a temp dir)",
+        help="with --conversations or the conversation scenario: the disk tier's folder, emptied "
+        "first (default: a temp dir)",
     )
     b.add_argument(
         "--gguf",
@@ -98,7 +146,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare llama.cpp: use this GGUF of the model instead of exporting one",
     )
     b.add_argument(
-        "--plot", type=Path, default=None, help="with --conversations: write an SVG plot here"
+        "--plot",
+        type=Path,
+        default=None,
+        help="with --compare: the ratios and the conversation's TTFT per turn (matplotlib: "
+        ".png, .svg, .pdf); with --conversations: TTFT per returning turn (.svg: built in, "
+        "no matplotlib; .png: matplotlib)",
     )
 
     s = sub.add_parser(
@@ -212,74 +265,57 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         args.model, device=args.device, threads=args.threads, max_context=need
     )
     try:
-        info = engine.info
-        if args.compare is None:
-            result = await engine.benchmark(
-                prefill_lens=args.prefill,
-                decode_contexts=args.decode_context,
-                decode_steps=args.steps,
-                repeats=args.repeats,
-            )
-            return {"engine": info, **result}
-        return {"engine": info, **await _compare(args, engine, info)}
+        result = await engine.benchmark(
+            prefill_lens=args.prefill,
+            decode_contexts=args.decode_context,
+            decode_steps=args.steps,
+            repeats=args.repeats,
+        )
+        return {"engine": engine.info, **result}
     finally:
         await engine.close()
 
 
-async def _compare(args: argparse.Namespace, engine: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """strata-rs and the peer alternate round by round (A B A B ...), so that a noisy machine
-    slows both alike; each figure is the median over rounds."""
-    import statistics
-    import tempfile
+def _compare_spec(args: argparse.Namespace) -> Any:
+    from strata_rs.bench.compare import SCENARIOS, CompareSpec
 
-    from strata_rs.bench.gguf_export import export_gguf
-    from strata_rs.bench.peers import llama_cpp_available, llama_cpp_bench
+    return CompareSpec(
+        model=args.model,
+        peers=args.compare or [],
+        scenarios=args.scenario or list(SCENARIOS),
+        rounds=args.rounds,
+        prefill=args.prefill,
+        decode_contexts=args.decode_context,
+        steps=args.steps,
+        repeats=args.repeats,
+        streams=args.streams,
+        stream_prompt=args.stream_prompt,
+        stream_tokens=args.stream_tokens,
+        history=args.history,
+        new_tokens=args.new_tokens,
+        threads=args.threads,
+        device=args.device,
+        gguf=args.gguf,
+        disk_dir=args.disk_dir,
+    )
 
-    hint = llama_cpp_available()
-    if hint is not None:
-        raise SystemExit(f"strata-rs: llama.cpp is not installed; {hint}")
-    threads = info["threads"]
-    ours: list[dict[str, Any]] = []
-    peer: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = export_gguf(args.model, Path(tmp) / "model.gguf", dtype=info["dtype"])
-        for r in range(args.rounds):
-            print(f"round {r + 1}/{args.rounds}: strata-rs", file=sys.stderr, flush=True)
-            ours.append(
-                await engine.benchmark(
-                    prefill_lens=args.prefill,
-                    decode_contexts=args.decode_context,
-                    decode_steps=args.steps,
-                    repeats=args.repeats,
-                )
-            )
-            print(f"round {r + 1}/{args.rounds}: llama.cpp", file=sys.stderr, flush=True)
-            peer.append(
-                llama_cpp_bench(
-                    gguf, threads, args.prefill, args.decode_context, args.steps, args.repeats
-                )
-            )
 
-    def med(runs: list[dict[str, Any]], key: str) -> dict[int, float]:
-        return {int(n): statistics.median(float(r[key][n]) for r in runs) for n in runs[0][key]}
-
-    result: dict[str, Any] = {
-        "prefill_tok_s": med(ours, "prefill_tok_s"),
-        "decode_tok_s": med(ours, "decode_tok_s"),
-        "decode_weight_bytes": ours[0]["decode_weight_bytes"],
-        "read_bandwidth_gb_s": {
-            n: statistics.median(r["read_bandwidth_gb_s"][n] for r in ours)
-            for n in ours[0]["read_bandwidth_gb_s"]
-        },
-        "peer": {
-            "name": "llama.cpp",
-            "version": peer[0]["version"],
-            "prefill_tok_s": med(peer, "prefill_tok_s"),
-            "decode_tok_s": med(peer, "decode_tok_s"),
-        },
-        "rounds": {"strata-rs": ours, "llama.cpp": peer},
-    }
-    return result
+def _check_plot(args: argparse.Namespace) -> str | None:
+    """Why --plot cannot be written (checked before a long run), or None."""
+    if args.plot is None:
+        return None
+    if args.compare is None and args.scenario is None and args.conversations is None:
+        return "--plot needs --compare, --scenario or --conversations"
+    if args.conversations is not None and args.plot.suffix.lower() == ".svg":
+        return None  # the built-in SVG writer
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return (
+            f"--plot {args.plot}: writing {args.plot.suffix or 'this format'} needs matplotlib; "
+            "install it with: pip install matplotlib (or pip install 'strata-rs[bench]')"
+        )
+    return None
 
 
 def _print_bench(r: dict[str, Any]) -> None:
@@ -301,15 +337,6 @@ def _print_bench(r: dict[str, Any]) -> None:
         )
     for size, gbs in bw.items():
         print(f"read bandwidth over {size / 2**20:8.0f} MiB: {gbs:6.1f} GB/s")
-    peer = r.get("peer")
-    if peer is not None:
-        name = f"{peer['name']} {peer['version']}"
-        print(f"\nmedians of {len(r['rounds']['strata-rs'])} interleaved rounds (tok/s):")
-        print(f"{'':24}{'strata-rs':>12}{name:>20}{'ratio':>8}")
-        for kind, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode at context")):
-            for n, ours in r[kind].items():
-                theirs = peer[kind][n]
-                print(f"{label + ' ' + str(n):24}{ours:12.1f}{theirs:20.1f}{ours / theirs:8.2f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -327,11 +354,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     from strata_rs import StrataError
 
     try:
+        if args.command == "bench":
+            problem = _check_plot(args)
+            if problem is not None:
+                print(f"strata-rs: {problem}", file=sys.stderr)
+                return 2
         if args.command == "bench" and args.conversations is not None:
             return _bench_conversations(args)
         if args.command == "bench":
-            result = asyncio.run(_bench(args))
-            _print_bench(result)
+            if args.compare is not None or args.scenario is not None:
+                if args.device != "cpu":
+                    print(
+                        "strata-rs: --compare runs the peers on the CPU; use --device cpu",
+                        file=sys.stderr,
+                    )
+                    return 2
+                from strata_rs.bench.compare import print_compare, run_compare, write_plot
+
+                result = asyncio.run(run_compare(_compare_spec(args)))
+                print_compare(result)
+                if args.json is not None:  # before the plot: a long run's figures come first
+                    args.json.write_text(json.dumps(result, indent=2, default=str))
+                if args.plot is not None:
+                    write_plot(result, args.plot, f"{args.model.name}: strata-rs and its peers")
+                    print(f"plot: {args.plot}")
+            else:
+                result = asyncio.run(_bench(args))
+                _print_bench(result)
             if args.serving:
                 from strata_rs.bench.serving import print_serving, run_serving
 
@@ -362,22 +411,40 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _bench_conversations(args: argparse.Namespace) -> int:
     import tempfile
 
-    from strata_rs.bench.conversations import print_conversations, run_conversations, write_svg
+    from strata_rs.bench.conversations import (
+        print_conversations,
+        run_conversations,
+        write_png,
+        write_svg,
+    )
 
+    peers = args.compare or []
+    others = [p for p in peers if p != "llama.cpp"]
+    if others:
+        print(
+            f"strata-rs: --conversations compares with llama.cpp only (its RAM prompt cache "
+            f"and K/V state); {', '.join(others)}: use --compare without --conversations "
+            "(the compare table's conversation scenario)",
+            file=sys.stderr,
+        )
+        return 2
     with tempfile.TemporaryDirectory(prefix="strata-conversations-") as tmp:
         gguf = None
-        if args.compare == "llama.cpp":
+        if "llama.cpp" in peers:
             from strata_rs.bench.gguf_export import export_gguf
-            from strata_rs.bench.peers import llama_cpp_available
+            from strata_rs.bench.peers import missing, skip_line
 
-            hint = llama_cpp_available()
-            if hint is not None:
-                raise SystemExit(f"strata-rs: llama.cpp is not installed; {hint}")
-            gguf = args.gguf
-            if gguf is None:
-                dtype = json.loads((args.model / "config.json").read_text()).get("torch_dtype")
-                dtype = {"bfloat16": "bf16", "float16": "f16"}.get(dtype, "f32")
-                gguf = export_gguf(args.model, Path(tmp) / "model.gguf", dtype=dtype)
+            reason = missing("llama.cpp")
+            if reason is not None:
+                print(skip_line("llama.cpp", reason), file=sys.stderr, flush=True)
+            else:
+                gguf = args.gguf
+                if gguf is None:
+                    config = json.loads((args.model / "config.json").read_text())
+                    dtype = {"bfloat16": "bf16", "float16": "f16"}.get(
+                        config.get("torch_dtype"), "f32"
+                    )
+                    gguf = export_gguf(args.model, Path(tmp) / "model.gguf", dtype=dtype)
         result = asyncio.run(
             run_conversations(
                 args.model,
@@ -393,7 +460,12 @@ def _bench_conversations(args: argparse.Namespace) -> int:
         )
     print_conversations(result)
     if args.plot is not None:
-        write_svg(result, args.plot, f"{args.model.name}: time to first token per returning turn")
+        title = f"{args.model.name}: time to first token per returning turn"
+        if args.plot.suffix.lower() == ".svg":
+            write_svg(result, args.plot, title)
+        else:
+            write_png(result, args.plot, title)
+        print(f"plot: {args.plot}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -597,6 +597,48 @@ def write_svg(result: dict[str, Any], path: str | Path, title: str = "") -> Path
     return path
 
 
+def write_png(result: dict[str, Any], path: str | Path, title: str = "") -> Path:
+    """The SVG's plot drawn by matplotlib: a PNG (or any format matplotlib writes, by suffix)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = plot_series(result)
+    colour = {name: c for name, _, _, c in SERIES}
+    turns = result["turns"]
+    fig, ax = plt.subplots(figsize=(9.5, 5))
+    for name, pts in series.items():
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.5, color=colour[name], label=name)
+    for i in range(1, len(turns)):
+        if turns[i]["phase"] != turns[i - 1]["phase"]:
+            label = "restart" if turns[i]["phase"] == "disk" else "restart, page cache dropped"
+            ax.axvline(i + 0.5, color="#888", linestyle="--", linewidth=1)
+            ax.annotate(
+                label,
+                (i + 0.55, 1.0),
+                xycoords=("data", "axes fraction"),
+                va="top",
+                fontsize=8,
+                color="#666",
+            )
+    ax.set_yscale("log")
+    ax.set_xlim(0.5, len(turns) + 0.5)
+    ax.set_xticks(range(1, len(turns) + 1))
+    ax.set_xlabel("returning turn (conversations in turn, round by round)")
+    ax.set_ylabel("time to first token (ms, log scale)")
+    ax.grid(True, which="major", axis="y", color="#ddd")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if title:
+        ax.set_title(title, fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def print_conversations(r: dict[str, Any]) -> None:
     s = r["setup"]
     print(

@@ -30,26 +30,28 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 async def _decode_rate(engine: Engine, streams: int, prompt_len: int, gen: int, seed: int) -> float:
     """Tokens per second over the window in which all `streams` are decoding."""
     vocab = engine.info["vocab_size"]
+    prompts = [_prompt(prompt_len, vocab, seed * 100 + i) for i in range(streams)]
+    return await decode_rate(engine, prompts, gen)
+
+
+async def decode_rate(engine: Engine, prompts: list[list[int]], gen: int) -> float:
+    """Aggregate greedy decode tok/s of one stream per prompt, all submitted at once: the
+    streams' tokens after their first, over the window from the moment every stream has its
+    first token to the moment the last one ends."""
     first: list[float] = []
     last: list[float] = []
 
-    async def one(i: int) -> None:
+    async def one(prompt: list[int]) -> None:
         got = 0
-        async for chunk in engine.generate(
-            _prompt(prompt_len, vocab, seed * 100 + i),
-            max_tokens=gen,
-            temperature=0,
-            ignore_eos=True,
-        ):
+        async for chunk in engine.generate(prompt, max_tokens=gen, temperature=0, ignore_eos=True):
             if got == 0:
                 first.append(time.perf_counter())
             got += len(chunk.token_ids)
         last.append(time.perf_counter())
 
-    await asyncio.gather(*[one(i) for i in range(streams)])
-    # From the moment every stream has its first token to the moment the last one ends.
+    await asyncio.gather(*[one(p) for p in prompts])
     window = max(last) - max(first)
-    return streams * (gen - 1) / window
+    return len(prompts) * (gen - 1) / window
 
 
 async def _ttft(engine: Engine, prompt: list[int]) -> float:
