@@ -616,7 +616,9 @@ mod tests {
     /// K of every position in `table`, as written by `cached_sequence`.
     fn keys(pool: &BlockPool, table: &[u32], len: usize) -> Vec<f32> {
         let l = pool.layer(0);
-        (0..len).map(|p| l.k.get(pool.slot(table, p) * 2)).collect()
+        (0..len)
+            .map(|p| l.k.get(l.k_index(pool.slot(table, p), 0, 0)))
+            .collect()
     }
 
     fn moved(c: &ConversationCache, from: Tier, to: Tier, r: MoveResult) -> u64 {

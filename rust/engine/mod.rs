@@ -529,12 +529,16 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
-/// header and a sample of its bytes), the K/V format and the block size, so that cached K/V
+/// header and a sample of its bytes), the K/V format, layout and block size, so that cached K/V
 /// never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
 /// over each file) tells a retrained model from the one it replaced without reading every weight.
 fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: usize) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
-    let mut parts: Vec<u64> = vec![block_size as u64, kv_dtype.size() as u64];
+    let mut parts: Vec<u64> = vec![
+        block_size as u64,
+        kv_dtype.size() as u64,
+        crate::kv::blocks::KV_LAYOUT_VERSION,
+    ];
     parts.push(config.vocab_size as u64);
     if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
         parts.push(xxh3_64(&bytes));

@@ -1,7 +1,9 @@
 //! BlockPool: the device's K/V memory, cut into fixed-size blocks of `block_size` tokens.
 //!
-//! Layout per layer: K and V are each `[num_blocks, block_size, kv_heads, head_dim]`, stored as
-//! f32 or f16 ([`KvDtype`]; rows are written as f32 and rounded to nearest). A
+//! Layout per layer: K is `[num_blocks, kv_heads, head_dim, block_size]` (each block's keys
+//! transposed, which the attention kernel scores 16 at a time) and V `[num_blocks, block_size,
+//! kv_heads, head_dim]`, stored as f32 or f16 ([`KvDtype`]; rows are written as f32 and rounded
+//! to nearest). Either way a block is one contiguous range of each array. A
 //! sequence owns a block table; its token at position p lives in block `table[p / block_size]`,
 //! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix, and
 //! full blocks can be indexed by their prefix hash ([`PrefixIndex`]) so that a block nobody holds
@@ -9,10 +11,14 @@
 
 use crate::error::{Result, StrataError};
 use crate::kv::prefix::{Evicted, PrefixIndex};
-use crate::model::kernels::cpu::attention::{KvData, KvLayer};
+use crate::model::kernels::cpu::attention::{k_index, KvData, KvLayer};
 use crate::model::weights::DType;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+
+/// The version of the block layout above, part of every prefix hash's salt: blocks kept on disk
+/// in an older layout are another format's, never read as this one. 2: K transposed per block.
+pub const KV_LAYOUT_VERSION: u64 = 2;
 
 /// The element type of the K/V cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +97,48 @@ fn as_bytes<T: ZeroBits>(s: &[T]) -> &[u8] {
 fn as_bytes_mut<T: ZeroBits>(s: &mut [T]) -> &mut [u8] {
     // SAFETY: as above, and every bit pattern is a valid f32 or f16.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
+}
+
+/// Bytes below which a copy is not worth streaming.
+const STREAM_MIN: usize = 1024;
+
+/// `dst.copy_from_slice(src)` with non-temporal stores on x86-64: a restore writes blocks the
+/// CPU has not read lately, and ordinary stores would first read every destination line
+/// (read-for-ownership), a third memory transfer beside the read and the write. Callers end a
+/// run of copies with [`store_fence`].
+fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_streaming: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() >= STREAM_MIN {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // Plain copy up to the first 16-byte aligned destination byte.
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        dst[..head].copy_from_slice(&src[..head]);
+        let body = (dst.len() - head) / 16 * 16;
+        // SAFETY: SSE2 is part of x86-64; the 16-byte chunks lie inside both slices, the
+        // destination ones aligned (after `head`); `src` may be unaligned (loadu).
+        unsafe {
+            let (d, s) = (dst.as_mut_ptr().add(head), src.as_ptr().add(head));
+            let mut i = 0;
+            while i < body {
+                let x = _mm_loadu_si128(s.add(i) as *const __m128i);
+                _mm_stream_si128(d.add(i) as *mut __m128i, x);
+                i += 16;
+            }
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+/// Orders the non-temporal stores of [`copy_streaming`] before any later store.
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86-64.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 pub struct BlockPool {
@@ -272,10 +320,11 @@ impl BlockPool {
             };
             for part in [k, v] {
                 let n = part.len();
-                part.copy_from_slice(&data[at..at + n]);
+                copy_streaming(part, &data[at..at + n]);
                 at += n;
             }
         }
+        store_fence();
     }
 
     /// Adds a reference to a block: a shared prefix, or a cache hit on a block nobody held.
@@ -329,17 +378,24 @@ impl BlockPool {
     }
 
     /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`; an f16
-    /// cache rounds them to nearest.
+    /// cache rounds them to nearest. K goes to its transposed place in the block.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let d = self.kv_heads * self.head_dim;
+        let (bs, kvh, hd) = (self.block_size, self.kv_heads, self.head_dim);
+        let d = kvh * hd;
         let r = slot * d..(slot + 1) * d;
+        // Element e = g * hd + i of the row lands at k_index(slot, g, i) = k0 + e * bs.
+        let k0 = k_index(slot, 0, 0, bs, kvh, hd);
         match &mut self.layers[layer] {
             LayerStore::F32 { k: sk, v: sv } => {
-                sk[r.clone()].copy_from_slice(k);
+                for (e, &x) in k[..d].iter().enumerate() {
+                    sk[k0 + e * bs] = x;
+                }
                 sv[r].copy_from_slice(v);
             }
             LayerStore::F16 { k: sk, v: sv } => {
-                sk[r.clone()].convert_from_f32_slice(k);
+                for (e, &x) in k[..d].iter().enumerate() {
+                    sk[k0 + e * bs] = f16::from_f32(x);
+                }
                 sv[r].convert_from_f32_slice(v);
             }
         }
@@ -442,16 +498,44 @@ mod tests {
             pool.write_block(2, &bytes);
             for layer in 0..2 {
                 let l = pool.layer(layer);
-                for e in 0..4 {
-                    assert_eq!(l.k.get(8 + e), l.k.get(4 + e));
-                    assert_eq!(l.v.get(8 + e), l.v.get(4 + e));
+                // Block 2 (slots 4, 5) holds what block 1 (slots 2, 3) held.
+                for (slot, d) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    assert_eq!(
+                        l.k.get(l.k_index(4 + slot, 0, d)),
+                        l.k.get(l.k_index(2 + slot, 0, d))
+                    );
+                    assert_eq!(
+                        l.v.get(l.v_index(4 + slot, 0, d)),
+                        l.v.get(l.v_index(2 + slot, 0, d))
+                    );
                 }
-                assert_eq!(l.k.get(10), (layer * 10 + 1) as f32);
+                assert_eq!(l.k.get(l.k_index(5, 0, 0)), (layer * 10 + 1) as f32);
                 assert_eq!(l.v.get(11), -((layer * 10 + 1) as f32) - 0.5);
             }
             let mut again = vec![0u8; n];
             pool.read_block(2, &mut again);
             assert_eq!(bytes, again);
+        }
+    }
+
+    #[test]
+    fn streaming_copy_copies_every_byte_at_any_alignment() {
+        let src: Vec<u8> = (0..9000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for len in [0, 1, 15, 1023, 1024, 1025, 4096 + 7, 8000] {
+            for (so, doff) in [(0, 0), (1, 0), (0, 3), (5, 9), (16, 15)] {
+                let mut dst = vec![0u8; len + doff + 16];
+                copy_streaming(&mut dst[doff..doff + len], &src[so..so + len]);
+                store_fence();
+                assert_eq!(
+                    &dst[doff..doff + len],
+                    &src[so..so + len],
+                    "len {len} at {so}/{doff}"
+                );
+                assert!(dst[..doff]
+                    .iter()
+                    .chain(&dst[doff + len..])
+                    .all(|&b| b == 0));
+            }
         }
     }
 
@@ -463,8 +547,10 @@ mod tests {
         assert_eq!(pool.slot(&table, 5), 5);
         pool.write(0, pool.slot(&table, 5), &[1.0, 2.0], &[3.0, 4.0]);
         let l = pool.layer(0);
-        let got: Vec<f32> = (10..12).map(|i| l.k.get(i)).collect();
+        let got: Vec<f32> = (0..2).map(|d| l.k.get(l.k_index(5, 0, d))).collect();
         assert_eq!(got, [1.0, 2.0]);
+        // Transposed within the block: element d of slot 5 (block 1, row 1) at 4 * (2 + d) + 1.
+        assert_eq!((l.k_index(5, 0, 0), l.k_index(5, 0, 1)), (9, 13));
         let got: Vec<f32> = (10..12).map(|i| l.v.get(i)).collect();
         assert_eq!(got, [3.0, 4.0]);
     }
@@ -477,13 +563,14 @@ mod tests {
         pool.write(1, 6, &[x, -70000.0], &[1e-9, 0.1]);
         let l = pool.layer(1);
         assert!(matches!(l.k, KvData::F16(_)));
-        assert_eq!(l.k.get(12), f16::from_f32(x).to_f32());
-        assert!((l.k.get(12) - x).abs() <= x * 2f32.powi(-11));
-        assert_eq!(l.k.get(13), f32::NEG_INFINITY, "beyond f16's range");
+        let (k0, k1) = (l.k_index(6, 0, 0), l.k_index(6, 0, 1));
+        assert_eq!(l.k.get(k0), f16::from_f32(x).to_f32());
+        assert!((l.k.get(k0) - x).abs() <= x * 2f32.powi(-11));
+        assert_eq!(l.k.get(k1), f32::NEG_INFINITY, "beyond f16's range");
         assert_eq!(l.v.get(12), f16::from_f32(1e-9).to_f32());
         assert_eq!(l.v.get(13), f16::from_f32(0.1).to_f32());
         // Layer 0 untouched.
-        assert_eq!(pool.layer(0).k.get(12), 0.0);
+        assert_eq!(pool.layer(0).k.get(k0), 0.0);
     }
 
     #[test]

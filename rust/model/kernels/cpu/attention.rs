@@ -1,29 +1,47 @@
 //! Grouped-query attention for one batch of query rows over a paged K/V cache.
 //!
-//! K/V rows are stored as f32 or f16 ([`KvData`]); all arithmetic is f32.
+//! **Layout** (per layer, [`KvLayer`]): K is `[num_blocks, kv_heads, head_dim, block_size]`, each
+//! block's keys transposed, so that element `d` of consecutive keys is contiguous; V is
+//! `[num_blocks, block_size, kv_heads, head_dim]`. Elements are f32 or f16 ([`KvData`]); all
+//! arithmetic is f32.
+//!
+//! **Tiles.** Keys are taken 16 at a time (a tile, aligned to a multiple of 16 by absolute
+//! position). A tile's K and V are widened to f32 once and then serve every query head of the
+//! K/V head in up to [`ROW_BLOCK`] consecutive rows of one sequence (a prefill chunk), so a
+//! returning conversation's new rows read and convert their long history once per block of rows
+//! instead of once per row. A tile's 16 scores come out of lane-wise FMAs over the transposed K
+//! (no horizontal sums): two chains, even and odd elements of the head, added, times the scale.
 //!
 //! **Batch invariance.** A row's visible keys are cut into fixed segments by absolute key
 //! position (`SEGMENT` keys, aligned to multiples of `SEGMENT`), each segment's softmax state is
-//! computed from scratch, and the states are merged in key order. That arithmetic depends only on
-//! the row (its position, window, queries and cache), never on the rest of the batch or the
-//! thread count: decode batches with few (row, K/V head) tasks run the segments in parallel
+//! computed from scratch over its tiles, and the states are merged in key order. That arithmetic
+//! depends only on the row (its position, window, queries and cache), never on which rows share
+//! its tiles, the thread count or the instruction set (FMA rounds once everywhere, and no step
+//! reassociates): decode batches with few (row, K/V head) tasks run the segments in parallel
 //! (split-K, as in flash-decoding) so that every thread has work; bigger batches run one task per
-//! (row, K/V head) that walks its segments in order. Both give the same bits.
+//! (block of rows, K/V head) that walks its segments in order. All give the same bits.
 
 use super::swiglu::fast_exp;
 use half::f16;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-/// Largest supported head dimension (stack accumulators are sized for it).
+/// Largest supported head dimension (stack buffers are sized for it).
 pub const MAX_HEAD_DIM: usize = 256;
 /// Largest supported query heads per K/V head.
 pub const MAX_GROUP: usize = 16;
-/// Keys scored per online-softmax step: one rescale of the accumulators per tile.
-const TILE: usize = 32;
-/// Keys per segment (a multiple of TILE): segment `j` is keys `j*SEGMENT..(j+1)*SEGMENT`,
+/// Keys per tile: one 16-lane vector of scores.
+const LANES: usize = 16;
+/// Keys per segment (a multiple of LANES): segment `j` is keys `j*SEGMENT..(j+1)*SEGMENT`,
 /// intersected with a row's visible keys.
 const SEGMENT: usize = 128;
+/// Most rows of one sequence that share each tile (fewer when their accumulators would not fit
+/// [`BLOCK_ACC_FLOATS`]).
+const ROW_BLOCK: usize = 8;
+/// Floats of per-row segment accumulators a row-block task keeps on its stack (32 KiB).
+const BLOCK_ACC_FLOATS: usize = 8192;
+/// Output floats of one register pass over V (4 AVX-512 vectors per query head).
+const V_CHUNK: usize = 64;
 /// Segments run as parallel tasks (split-K) while there are fewer than this many (row, K/V
 /// head) tasks per thread.
 const TASKS_PER_THREAD: usize = 4;
@@ -32,7 +50,7 @@ const TASKS_PER_THREAD: usize = 4;
 /// one task per (row, K/V head): the same bits, less parallel.
 const PARTS_FLOATS: usize = 1 << 20;
 
-/// One layer's K or V storage, `[num_blocks, block_size, kv_heads, head_dim]`.
+/// One layer's K or V storage (layouts in the module docs).
 #[derive(Clone, Copy, Debug)]
 pub enum KvData<'a> {
     F32(&'a [f32]),
@@ -60,13 +78,33 @@ impl KvData<'_> {
     }
 }
 
-/// The K/V cache of one layer: `k`, `v` are each `[num_blocks, block_size, kv_heads, head_dim]`.
+/// The K/V cache of one layer: `k` is `[num_blocks, kv_heads, head_dim, block_size]`, `v`
+/// `[num_blocks, block_size, kv_heads, head_dim]`.
 pub struct KvLayer<'a> {
     pub k: KvData<'a>,
     pub v: KvData<'a>,
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+}
+
+impl KvLayer<'_> {
+    /// Index in `k` of element `d` of K/V head `g` at cache row `slot` (`block * block_size +
+    /// row`).
+    pub fn k_index(&self, slot: usize, g: usize, d: usize) -> usize {
+        k_index(slot, g, d, self.block_size, self.kv_heads, self.head_dim)
+    }
+
+    /// Index in `v` of element `d` of K/V head `g` at cache row `slot`.
+    pub fn v_index(&self, slot: usize, g: usize, d: usize) -> usize {
+        (slot * self.kv_heads + g) * self.head_dim + d
+    }
+}
+
+/// Index in K of element `d` of K/V head `g` at cache row `slot` (the block's keys transposed).
+pub fn k_index(slot: usize, g: usize, d: usize, bs: usize, kvh: usize, hd: usize) -> usize {
+    let (block, r) = (slot / bs, slot % bs);
+    ((block * kvh + g) * hd + d) * bs + r
 }
 
 /// One query row of the batch: its absolute position and where its sequence's block table sits
@@ -95,13 +133,23 @@ struct State {
     sum: [f32; MAX_GROUP],
 }
 
-/// Preallocated split-K scratch: the segment list and each segment's partial softmax state.
+impl State {
+    const EMPTY: State = State {
+        mx: [f32::NEG_INFINITY; MAX_GROUP],
+        sum: [0.0; MAX_GROUP],
+    };
+}
+
+/// Preallocated scratch: the split-K segment list and each segment's partial softmax state,
+/// and the row blocks of the unsplit path.
 pub struct AttnScratch {
     threads: usize,
     max_rows: usize,
     segments: Vec<Segment>,
     /// `[group * hd acc | group max | group sum]` per segment.
     parts: Vec<f32>,
+    /// Row blocks `(first row, rows)` of the unsplit path.
+    blocks: Vec<(u32, u32)>,
 }
 
 impl AttnScratch {
@@ -118,6 +166,7 @@ impl AttnScratch {
             // A part holds at least head_dim + 2 floats.
             segments: Vec::with_capacity(floats / (head_dim + 2).max(1)),
             parts: vec![0.0; floats],
+            blocks: Vec::with_capacity(max_rows),
         }
     }
 }
@@ -125,14 +174,14 @@ impl AttnScratch {
 /// How to run the segments.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Split {
-    /// Split-K when the batch has few tasks, else one task per (row, K/V head).
+    /// Split-K when the batch has few tasks, else one task per (block of rows, K/V head).
     Auto,
-    /// One task per (row, K/V head) always (the tests' baseline).
+    /// Never split-K (the tests' baseline).
     #[cfg_attr(not(test), allow(dead_code))]
     Never,
 }
 
-/// The instruction set the kernel runs with.
+/// The instruction set the kernel is compiled for (it changes speed, not results).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Isa {
     #[cfg(target_arch = "x86_64")]
@@ -149,6 +198,7 @@ fn detect_isa() -> Isa {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("fma")
         {
             return Isa::Avx512;
         }
@@ -225,6 +275,7 @@ fn paged_attention_with(
     assert_eq!(out.len(), q.len(), "attention: out shape");
     assert_eq!(kv.k.len(), kv.v.len(), "attention: k and v differ");
     assert_eq!(kv.k.len() % (bs * kvh * hd), 0, "attention: cache shape");
+    let num_blocks = kv.k.len() / (bs * kvh * hd);
     if let Some(w) = window {
         assert!(w > 0, "attention: window must be positive");
     }
@@ -234,6 +285,11 @@ fn paged_attention_with(
         assert!(
             (r.pos as usize) / bs < l,
             "attention: position beyond block table"
+        );
+        // Every block a row can read lies inside the cache: the kernel indexes it unchecked.
+        assert!(
+            tables[s..s + l].iter().all(|&b| (b as usize) < num_blocks),
+            "attention: block id beyond the cache"
         );
     }
     macro_rules! go {
@@ -278,26 +334,29 @@ struct Ctx<'a, E> {
     window: Option<usize>,
 }
 
+impl<E> Ctx<'_, E> {
+    /// The block table of row `t`.
+    fn table(&self, t: usize) -> &[u32] {
+        let r = self.rows[t];
+        &self.tables[r.table_start as usize..(r.table_start + r.table_len) as usize]
+    }
+
+    /// The query heads of K/V head `g` in row `t`.
+    fn q_group(&self, t: usize, g: usize) -> &[f32] {
+        let gh = self.group * self.hd;
+        &self.q[t * self.n_heads * self.hd + g * gh..][..gh]
+    }
+
+    /// Rows of one sequence at consecutive positions, as many as may share a tile.
+    fn row_block_limit(&self) -> usize {
+        (BLOCK_ACC_FLOATS / (self.group * self.hd)).clamp(1, ROW_BLOCK)
+    }
+}
+
 /// The visible keys `lo..=pos` of a row.
 fn visible(r: &AttnRow, window: Option<usize>) -> (usize, usize) {
     let pos = r.pos as usize;
     (window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
-}
-
-impl<E> Ctx<'_, E> {
-    fn group_args(&self, t: usize, g: usize, lo: usize, hi: usize) -> Group<'_, E> {
-        let row = self.rows[t];
-        let (hd, group) = (self.hd, self.group);
-        Group {
-            c: self,
-            q: &self.q[t * self.n_heads * hd + g * group * hd..][..group * hd],
-            table: &self.tables
-                [row.table_start as usize..(row.table_start + row.table_len) as usize],
-            g,
-            lo,
-            hi,
-        }
-    }
 }
 
 /// Segment `j` of a row whose visible keys are `lo..=hi`.
@@ -309,6 +368,14 @@ fn segment(lo: usize, hi: usize, j: usize) -> (usize, usize) {
 fn segment_range(lo: usize, hi: usize) -> std::ops::RangeInclusive<usize> {
     lo / SEGMENT..=hi / SEGMENT
 }
+
+/// The output rows of the unsplit path, written by tasks that each own distinct
+/// (row, K/V head) slices.
+#[derive(Clone, Copy)]
+struct OutRows(*mut f32);
+// SAFETY: tasks write disjoint slices (see `run`); the pointer outlives the parallel loop.
+unsafe impl Send for OutRows {}
+unsafe impl Sync for OutRows {}
 
 fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: Isa, split: Split) {
     let (hd, group) = (c.hd, c.group);
@@ -322,9 +389,8 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
             .par_chunks_mut(slot)
             .zip(segments.par_iter())
             .for_each(|(p, s)| {
-                let a = c.group_args(s.t as usize, s.g as usize, s.lo as usize, s.hi as usize);
                 let (acc, st) = p.split_at_mut(group * hd);
-                let state = kernel(isa, &a, acc);
+                let state = dispatch(isa, c, Task::Segment { seg: *s, acc });
                 st[..group].copy_from_slice(&state.mx[..group]);
                 st[group..].copy_from_slice(&state.sum[..group]);
             });
@@ -339,10 +405,7 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
             let o =
                 &mut out[(s0.t as usize * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
             let part = |p: &[f32]| {
-                let mut st = State {
-                    mx: [0.0; MAX_GROUP],
-                    sum: [0.0; MAX_GROUP],
-                };
+                let mut st = State::EMPTY;
                 st.mx[..group].copy_from_slice(&p[group * hd..group * hd + group]);
                 st.sum[..group].copy_from_slice(&p[group * hd + group..slot]);
                 st
@@ -358,37 +421,40 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
         }
         return;
     }
-    // One task per (row, kv head): its query heads are contiguous in q and out.
-    out.par_chunks_mut(group * hd)
-        .enumerate()
-        .for_each(|(i, o)| {
-            let (t, g) = (i / c.kvh, i % c.kvh);
-            let (lo, hi) = visible(&c.rows[t], c.window);
-            let mut js = segment_range(lo, hi);
-            let (a, b) = segment(lo, hi, *js.start());
-            let mut state = kernel(isa, &c.group_args(t, g, a, b), o);
-            js.next();
-            if !js.is_empty() {
-                // The next segment's accumulators: only `group * hd` of the stack buffer are
-                // used, so only those are initialised (zeroing all 16 KiB per task is
-                // measurable in prefill).
-                let mut buf = [MaybeUninit::<f32>::uninit(); MAX_GROUP * MAX_HEAD_DIM];
-                let need = group * hd;
-                // SAFETY: `need <= buf.len()` (group and hd were checked against the maxima);
-                // the first `need` floats are written before the slice is made.
-                let acc = unsafe {
-                    let p = buf.as_mut_ptr().cast::<f32>();
-                    std::ptr::write_bytes(p, 0, need);
-                    std::slice::from_raw_parts_mut(p, need)
-                };
-                for j in js {
-                    let (a, b) = segment(lo, hi, j);
-                    let next = kernel(isa, &c.group_args(t, g, a, b), acc);
-                    combine(o, &mut state, acc, &next, group, hd);
-                }
+    // One task per (block of consecutive rows of a sequence, K/V head).
+    plan_row_blocks(c, &mut scratch.blocks);
+    let ptr = OutRows(out.as_mut_ptr());
+    let tasks = scratch.blocks.len() * c.kvh;
+    (0..tasks).into_par_iter().for_each(|i| {
+        let (first, n) = scratch.blocks[i / c.kvh];
+        let g = i % c.kvh;
+        let task = Task::Rows {
+            first: first as usize,
+            n: n as usize,
+            g,
+            out: ptr,
+        };
+        dispatch(isa, c, task);
+    });
+}
+
+/// Cuts the batch into blocks of rows that may share tiles: consecutive batch rows of one
+/// sequence (same block table) at consecutive positions, at most `row_block_limit` each.
+fn plan_row_blocks<E>(c: &Ctx<E>, blocks: &mut Vec<(u32, u32)>) {
+    blocks.clear();
+    let limit = c.row_block_limit();
+    for (t, r) in c.rows.iter().enumerate() {
+        if let Some((first, n)) = blocks.last_mut() {
+            let p = c.rows[*first as usize + *n as usize - 1];
+            let follows =
+                p.table_start == r.table_start && p.table_len == r.table_len && p.pos + 1 == r.pos;
+            if follows && (*n as usize) < limit {
+                *n += 1;
+                continue;
             }
-            finish(o, &state, group, hd);
-        });
+        }
+        blocks.push((t as u32, 1));
+    }
 }
 
 /// Fills `scratch.segments` with the split-K plan: every row's segments, per K/V head, in key
@@ -460,576 +526,496 @@ fn finish(acc: &mut [f32], state: &State, group: usize, hd: usize) {
     }
 }
 
-/// One task: the query heads of K/V head `g` for one row, over keys `lo..=hi`; the shared
-/// geometry and K/V come from the call's `Ctx`.
-struct Group<'a, E> {
-    c: &'a Ctx<'a, E>,
-    q: &'a [f32],
-    table: &'a [u32],
-    g: usize,
-    /// Keys `lo..=hi`.
-    lo: usize,
-    hi: usize,
-}
-
 /// A K/V element type.
 trait KvElem: Copy + Send + Sync {
-    const HALF: bool;
     fn to_f32(self) -> f32;
-    fn as_f32(s: &[Self]) -> Option<&[f32]>;
 }
 impl KvElem for f32 {
-    const HALF: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
     }
-    #[inline(always)]
-    fn as_f32(s: &[f32]) -> Option<&[f32]> {
-        Some(s)
-    }
 }
 impl KvElem for f16 {
-    const HALF: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
+}
+
+/// Widening of stored K/V to f32, per ISA (exact, so every ISA gets the same values).
+trait Widen {
+    /// `dst[i] = src[i]` as f32 for `i < n`.
+    ///
+    /// # Safety
+    /// The CPU supports the implementation's ISA; `src` and `dst` hold `n` elements.
+    unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize);
+}
+
+struct Plain;
+impl Widen for Plain {
     #[inline(always)]
-    fn as_f32(_: &[f16]) -> Option<&[f32]> {
-        None
+    unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
+        for i in 0..n {
+            *dst.add(i) = (*src.add(i)).to_f32();
+        }
     }
 }
 
-/// One segment through [`attend`] on `isa`.
-fn kernel<E: KvElem>(isa: Isa, a: &Group<E>, acc: &mut [f32]) -> State {
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+#[cfg(target_arch = "x86_64")]
+impl Widen for Avx2 {
+    #[inline(always)]
+    unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        if std::mem::size_of::<E>() == 4 {
+            std::ptr::copy_nonoverlapping(src as *const f32, dst, n);
+            return;
+        }
+        let mut i = 0;
+        while i + 8 <= n {
+            let h = _mm_loadu_si128(src.add(i) as *const __m128i);
+            _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
+            i += 8;
+        }
+        for j in i..n {
+            *dst.add(j) = (*src.add(j)).to_f32();
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+#[cfg(target_arch = "x86_64")]
+impl Widen for Avx512 {
+    #[inline(always)]
+    unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        if std::mem::size_of::<E>() == 4 {
+            std::ptr::copy_nonoverlapping(src as *const f32, dst, n);
+            return;
+        }
+        let mut i = 0;
+        while i < n {
+            let m: __mmask16 = if n - i >= 16 {
+                0xffff
+            } else {
+                ((1u32 << (n - i)) - 1) as __mmask16
+            };
+            let h = _mm256_maskz_loadu_epi16(m, src.add(i) as *const i16);
+            _mm512_mask_storeu_ps(dst.add(i), m, _mm512_cvtph_ps(h));
+            i += 16;
+        }
+    }
+}
+
+/// One unit of parallel work.
+enum Task<'a> {
+    /// Rows `first..first + n` (consecutive positions of one sequence) over all their keys, K/V
+    /// head `g`: normalised outputs written to their slices of `out`.
+    Rows {
+        first: usize,
+        n: usize,
+        g: usize,
+        out: OutRows,
+    },
+    /// One split-K segment: unnormalised accumulators into `acc`, the state returned.
+    Segment { seg: Segment, acc: &'a mut [f32] },
+}
+
+/// Runs `task` compiled for `isa`.
+fn dispatch<E: KvElem>(isa: Isa, c: &Ctx<E>, task: Task) -> State {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: detect_isa checked the features (tests only pass ISAs they detected).
-        Isa::Avx512 => unsafe { attend_avx512(a, acc) },
+        Isa::Avx512 => unsafe { task_avx512(c, task) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx2 => unsafe { attend_avx2(a, acc) },
-        Isa::Plain => attend::<Plain, E>(a, acc),
+        Isa::Avx2 => unsafe { task_avx2(c, task) },
+        Isa::Plain => run_task::<Plain, E>(c, task),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn attend_avx512<E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
-    attend::<Avx512, E>(a, acc)
+unsafe fn task_avx512<E: KvElem>(c: &Ctx<E>, task: Task) -> State {
+    run_task::<Avx512, E>(c, task)
 }
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn attend_avx2<E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
-    attend::<Avx2, E>(a, acc)
+unsafe fn task_avx2<E: KvElem>(c: &Ctx<E>, task: Task) -> State {
+    run_task::<Avx2, E>(c, task)
 }
 
-/// The vector primitives of the attention loop, per ISA.
-trait Vops {
-    /// `s[h] = q[h*hd..][..hd] · kr` for every `h < s.len()`.
-    ///
-    /// # Safety
-    /// The CPU supports the implementation's ISA.
-    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]);
-    /// `acc += sum_j p[j] * v[offs[j]..][..acc.len()]`.
-    ///
-    /// # Safety
-    /// As for `dots`; every `offs[j] + acc.len() <= v.len()`.
-    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]);
-    /// `s[h][j] = (q[h*hd..][..hd] · k[offs[j]..][..hd]) * scale` for a whole tile, when the
-    /// implementation has a special case for this shape; false (nothing written) otherwise.
-    ///
-    /// # Safety
-    /// As for `dots`; every `offs[j] + hd <= k.len()`, `q.len() >= s.len() * hd`.
-    #[inline(always)]
-    unsafe fn tile_dots<E: KvElem>(
-        _q: &[f32],
-        _k: &[E],
-        _offs: &[usize],
-        _hd: usize,
-        _s: &mut [[f32; TILE]],
-        _scale: f32,
-    ) -> bool {
-        false
-    }
+/// A tile's K (transposed: `kt[d * LANES + lane]`) and V (`vt[lane * hd + d]`) in f32.
+struct TileBuf {
+    kt: [MaybeUninit<f32>; MAX_HEAD_DIM * LANES],
+    vt: [MaybeUninit<f32>; LANES * MAX_HEAD_DIM],
 }
 
-/// Portable dot with 16 independent partial sums (vectorisable without fast-math).
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let mut ac = a.chunks_exact(16);
-    let mut bc = b.chunks_exact(16);
-    for (x, y) in (&mut ac).zip(&mut bc) {
-        for l in 0..16 {
-            acc[l] += x[l] * y[l];
+fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
+    let mut tile = TileBuf {
+        kt: [MaybeUninit::uninit(); MAX_HEAD_DIM * LANES],
+        vt: [MaybeUninit::uninit(); LANES * MAX_HEAD_DIM],
+    };
+    let gh = c.group * c.hd;
+    match task {
+        Task::Segment { seg, acc } => {
+            let mut st = [State::EMPTY];
+            acc[..gh].fill(0.0);
+            let (t, lo, hi) = (seg.t as usize, seg.lo as usize, seg.hi as usize);
+            segment_pass::<W, E>(
+                c,
+                t,
+                &[(lo, hi)],
+                seg.g as usize,
+                (lo, hi),
+                &mut [&mut acc[..gh]],
+                &mut st,
+                &mut tile,
+            );
+            st[0]
+        }
+        Task::Rows { first, n, g, out } => {
+            rows_task::<W, E>(c, first, n, g, out, &mut tile);
+            State::EMPTY
         }
     }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ac.remainder().iter().zip(bc.remainder()) {
-        s += x * y;
-    }
-    s
 }
 
-struct Plain;
-impl Vops for Plain {
-    #[inline(always)]
-    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
-        let hd = kr.len();
-        let mut buf = [0f32; MAX_HEAD_DIM];
-        let kf = match E::as_f32(kr) {
-            Some(k) => k,
-            None => {
-                for (b, &x) in buf.iter_mut().zip(kr) {
-                    *b = x.to_f32();
+/// Rows `first..first + n` of one sequence over all their visible keys, K/V head `g`: each
+/// row's segments in key order, the first accumulated in place in `out`, the later ones on the
+/// stack and merged in, then normalised.
+#[inline(always)]
+fn rows_task<W: Widen, E: KvElem>(
+    c: &Ctx<E>,
+    first: usize,
+    n: usize,
+    g: usize,
+    out: OutRows,
+    tile: &mut TileBuf,
+) {
+    let (hd, group) = (c.hd, c.group);
+    let gh = group * hd;
+    debug_assert!((1..=ROW_BLOCK).contains(&n) && n * gh <= BLOCK_ACC_FLOATS);
+    // SAFETY: this task is the only one writing rows `first..first + n` at K/V head `g` (the
+    // row blocks partition the rows; each (block, g) is one task), and those slices lie in `out`
+    // (`q` has the same shape, checked on entry).
+    let mut outs: [&mut [f32]; ROW_BLOCK] = std::array::from_fn(|_| Default::default());
+    for (i, o) in outs.iter_mut().take(n).enumerate() {
+        let at = ((first + i) * c.n_heads + g * group) * hd;
+        *o = unsafe { std::slice::from_raw_parts_mut(out.0.add(at), gh) };
+    }
+    let mut seg_buf = [MaybeUninit::<f32>::uninit(); BLOCK_ACC_FLOATS];
+    // SAFETY: n * gh <= BLOCK_ACC_FLOATS (row_block_limit); written (zeroed) before any read.
+    let seg_all = unsafe {
+        let p = seg_buf.as_mut_ptr().cast::<f32>();
+        std::ptr::write_bytes(p, 0, n * gh);
+        std::slice::from_raw_parts_mut(p, n * gh)
+    };
+    let mut spans = [(0usize, 0usize); ROW_BLOCK];
+    for (i, s) in spans.iter_mut().take(n).enumerate() {
+        *s = visible(&c.rows[first + i], c.window);
+    }
+    let ulo = spans[..n].iter().map(|s| s.0).min().unwrap_or(0);
+    let uhi = spans[..n].iter().map(|s| s.1).max().unwrap_or(0);
+    let mut running = [State::EMPTY; ROW_BLOCK];
+    let mut started = [false; ROW_BLOCK];
+    for j in segment_range(ulo, uhi) {
+        let seg_span = segment(ulo, uhi, j);
+        // Each row's part of segment j: empty (lo > hi) where the row does not reach it.
+        let mut parts = [(1usize, 0usize); ROW_BLOCK];
+        for (p, s) in parts.iter_mut().zip(&spans).take(n) {
+            *p = segment(s.0, s.1, j);
+        }
+        let mut states = [State::EMPTY; ROW_BLOCK];
+        {
+            // Rows not yet started accumulate in place; the others into their stack slot.
+            let mut accs: [&mut [f32]; ROW_BLOCK] = std::array::from_fn(|_| Default::default());
+            for (i, (a, (o, s))) in accs
+                .iter_mut()
+                .zip(outs.iter_mut().zip(seg_all.chunks_exact_mut(gh)))
+                .take(n)
+                .enumerate()
+            {
+                if parts[i].0 > parts[i].1 {
+                    continue;
                 }
-                &buf[..hd]
+                *a = if started[i] { s } else { &mut **o };
+                a.fill(0.0);
             }
-        };
-        for (h, sv) in s.iter_mut().enumerate() {
-            *sv = dot(&q[h * hd..(h + 1) * hd], kf);
+            segment_pass::<W, E>(
+                c,
+                first,
+                &parts[..n],
+                g,
+                seg_span,
+                &mut accs[..n],
+                &mut states[..n],
+                tile,
+            );
+        }
+        for i in 0..n {
+            if parts[i].0 > parts[i].1 {
+                continue;
+            }
+            if started[i] {
+                let s = &seg_all[i * gh..(i + 1) * gh];
+                combine(outs[i], &mut running[i], s, &states[i], group, hd);
+            } else {
+                running[i] = states[i];
+                started[i] = true;
+            }
         }
     }
-    #[inline(always)]
-    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
-        let hd = acc.len();
-        match E::as_f32(v) {
-            Some(vf) => {
-                for (&pj, &o) in p.iter().zip(offs) {
-                    for (x, &vv) in acc.iter_mut().zip(&vf[o..o + hd]) {
-                        *x += pj * vv;
+    for i in 0..n {
+        finish(outs[i], &running[i], group, hd);
+    }
+}
+
+/// The keys `span` (inside one segment) for the rows `first + i` whose parts `parts[i]` of it
+/// are not empty, K/V head `g`: tile by tile, each tile widened once for all of them, each row's
+/// softmax state (`states[i]`, accumulators `accs[i]`) updated over its own keys.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn segment_pass<W: Widen, E: KvElem>(
+    c: &Ctx<E>,
+    first: usize,
+    parts: &[(usize, usize)],
+    g: usize,
+    span: (usize, usize),
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
+    tile: &mut TileBuf,
+) {
+    let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
+    let table = c.table(first);
+    let (k, v) = (c.k.as_ptr(), c.v.as_ptr());
+    let kt = tile.kt.as_mut_ptr().cast::<f32>();
+    let vt = tile.vt.as_mut_ptr().cast::<f32>();
+    let mut t0 = span.0 / LANES * LANES;
+    while t0 <= span.1 {
+        // The tile's keys that some row needs.
+        let mut need = (usize::MAX, 0usize);
+        for &(a, b) in parts {
+            let (a, b) = (a.max(t0), b.min(t0 + LANES - 1));
+            if a <= b {
+                need = (need.0.min(a), need.1.max(b));
+            }
+        }
+        if need.0 > need.1 {
+            t0 += LANES;
+            continue;
+        }
+        // SAFETY (all reads below): every key in `need` is at most some row's position, so its
+        // block is in the row's table, and every table entry is below the cache's block count
+        // (checked on entry); d < hd, lanes < LANES fit the buffers (hd <= MAX_HEAD_DIM).
+        unsafe {
+            if bs == LANES {
+                // The tile is one block: its K for head g is `[hd][LANES]`, contiguous.
+                let slot = table[t0 / bs] as usize * bs;
+                W::widen(k.add(k_index(slot, g, 0, bs, kvh, hd)), kt, hd * LANES);
+            } else if bs % LANES == 0 {
+                // The whole tile lies in one block: element d of its 16 keys is contiguous.
+                let slot = table[t0 / bs] as usize * bs + t0 % bs;
+                for d in 0..hd {
+                    W::widen(
+                        k.add(k_index(slot, g, d, bs, kvh, hd)),
+                        kt.add(d * LANES),
+                        LANES,
+                    );
+                }
+            } else {
+                for lane in 0..LANES {
+                    let key = t0 + lane;
+                    if key < need.0 || key > need.1 {
+                        for d in 0..hd {
+                            *kt.add(d * LANES + lane) = 0.0;
+                        }
+                        continue;
+                    }
+                    let slot = table[key / bs] as usize * bs + key % bs;
+                    for d in 0..hd {
+                        *kt.add(d * LANES + lane) =
+                            (*k.add(k_index(slot, g, d, bs, kvh, hd))).to_f32();
                     }
                 }
             }
-            None => {
-                for (&pj, &o) in p.iter().zip(offs) {
-                    for (x, &vv) in acc.iter_mut().zip(&v[o..o + hd]) {
-                        *x += pj * vv.to_f32();
+            for key in need.0..=need.1 {
+                let slot = table[key / bs] as usize * bs + key % bs;
+                W::widen(v.add((slot * kvh + g) * hd), vt.add((key - t0) * hd), hd);
+            }
+        }
+        // SAFETY: the lanes of every row's part were written above (rows' parts lie in `need`).
+        let (kts, vts) = unsafe {
+            (
+                std::slice::from_raw_parts(kt, hd * LANES),
+                std::slice::from_raw_parts(vt, LANES * hd),
+            )
+        };
+        for (i, &(a, b)) in parts.iter().enumerate() {
+            let (a, b) = (a.max(t0), b.min(t0 + LANES - 1));
+            if a > b {
+                continue;
+            }
+            let lanes = (a - t0, b - t0);
+            let q = c.q_group(first + i, g);
+            let (acc, st) = (&mut *accs[i], &mut states[i]);
+            // Heads in fixed-size chunks so that their accumulators stay in registers.
+            let mut h = 0;
+            while h < group {
+                h += match group - h {
+                    1 => tile_step::<1>(q, h, hd, kts, vts, lanes, c.scale, acc, st),
+                    2 => tile_step::<2>(q, h, hd, kts, vts, lanes, c.scale, acc, st),
+                    3 => tile_step::<3>(q, h, hd, kts, vts, lanes, c.scale, acc, st),
+                    _ => tile_step::<4>(q, h, hd, kts, vts, lanes, c.scale, acc, st),
+                };
+            }
+        }
+        t0 += LANES;
+    }
+}
+
+/// One tile for query heads `h0..h0 + N` of one row (`q` holds the row's group of heads):
+/// scores of the lanes `lanes.0..=lanes.1`, the online-softmax update of `st`, and `acc +=
+/// p · V` over those lanes in key order. Returns N.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+fn tile_step<const N: usize>(
+    q: &[f32],
+    h0: usize,
+    hd: usize,
+    kt: &[f32],
+    vt: &[f32],
+    lanes: (usize, usize),
+    scale: f32,
+    acc: &mut [f32],
+    st: &mut State,
+) -> usize {
+    let q = &q[h0 * hd..(h0 + N) * hd];
+    let acc = &mut acc[h0 * hd..(h0 + N) * hd];
+    let kt = &kt[..hd * LANES];
+    let vt = &vt[..LANES * hd];
+    let (a, b) = lanes;
+    let mut valid = [false; LANES];
+    for (l, x) in valid.iter_mut().enumerate() {
+        *x = l >= a && l <= b;
+    }
+    // Scores: lane-wise FMA chains over the head's elements, element d into chain d % 4.
+    let mut c = [[[0f32; LANES]; 4]; N];
+    let body = hd - hd % 4;
+    let (qp, kp) = (q.as_ptr(), kt.as_ptr());
+    let mut d = 0;
+    while d < body {
+        for j in 0..4 {
+            // SAFETY: d + j < hd, so q[h * hd + d + j] (h < N) and kt[(d + j) * LANES + l]
+            // (l < LANES) are inside the slices sized above.
+            let k: &[f32; LANES] = unsafe { &*(kp.add((d + j) * LANES) as *const [f32; LANES]) };
+            for h in 0..N {
+                let x = unsafe { *qp.add(h * hd + d + j) };
+                for l in 0..LANES {
+                    c[h][j][l] = x.mul_add(k[l], c[h][j][l]);
+                }
+            }
+        }
+        d += 4;
+    }
+    for d in body..hd {
+        let k = &kt[d * LANES..(d + 1) * LANES];
+        for h in 0..N {
+            let x = q[h * hd + d];
+            for l in 0..LANES {
+                c[h][d % 4][l] = x.mul_add(k[l], c[h][d % 4][l]);
+            }
+        }
+    }
+    let mut p = [[0f32; LANES]; N];
+    for h in 0..N {
+        let mut s = [0f32; LANES];
+        for l in 0..LANES {
+            let x = ((c[h][0][l] + c[h][1][l]) + (c[h][2][l] + c[h][3][l])) * scale;
+            s[l] = if valid[l] { x } else { f32::NEG_INFINITY };
+        }
+        let tile_max = tree16(s, |x, y| if y > x { y } else { x });
+        let (mx, sum) = (&mut st.mx[h0 + h], &mut st.sum[h0 + h]);
+        let new_max = mx.max(tile_max);
+        // First tile: nothing accumulated yet, so no rescale (avoids exp(-inf - -inf)). An
+        // unchanged max rescales by fast_exp(0) = 1 exactly, so that exp is skipped.
+        let corr = if *mx == f32::NEG_INFINITY {
+            0.0
+        } else if *mx == new_max {
+            1.0
+        } else {
+            fast_exp(*mx - new_max)
+        };
+        *mx = new_max;
+        // Exponentials of every lane (a plain loop vectorises), then the invisible ones zeroed.
+        for x in s.iter_mut() {
+            *x = fast_exp(*x - new_max);
+        }
+        for l in 0..LANES {
+            p[h][l] = if valid[l] { s[l] } else { 0.0 };
+        }
+        *sum = *sum * corr + tree16(p[h], |x, y| x + y);
+        if corr != 1.0 {
+            for x in acc[h * hd..(h + 1) * hd].iter_mut() {
+                *x *= corr;
+            }
+        }
+    }
+    // acc += p · V, in key order, V_CHUNK outputs per head at a time held in registers.
+    let mut d0 = 0;
+    while d0 < hd {
+        let w = V_CHUNK.min(hd - d0);
+        if w == V_CHUNK {
+            let mut r = [[0f32; V_CHUNK]; N];
+            for h in 0..N {
+                r[h].copy_from_slice(&acc[h * hd + d0..h * hd + d0 + V_CHUNK]);
+            }
+            for l in a..=b {
+                // SAFETY: l < LANES and d0 + V_CHUNK <= hd: inside `vt`.
+                let row: &[f32; V_CHUNK] =
+                    unsafe { &*(vt.as_ptr().add(l * hd + d0) as *const [f32; V_CHUNK]) };
+                for h in 0..N {
+                    let ph = p[h][l];
+                    for x in 0..V_CHUNK {
+                        r[h][x] = ph.mul_add(row[x], r[h][x]);
+                    }
+                }
+            }
+            for h in 0..N {
+                acc[h * hd + d0..h * hd + d0 + V_CHUNK].copy_from_slice(&r[h]);
+            }
+        } else {
+            for l in a..=b {
+                let row = &vt[l * hd + d0..l * hd + d0 + w];
+                for h in 0..N {
+                    let ph = p[h][l];
+                    for (x, &y) in acc[h * hd + d0..h * hd + d0 + w].iter_mut().zip(row) {
+                        *x = ph.mul_add(y, *x);
                     }
                 }
             }
         }
+        d0 += w;
     }
+    N
 }
 
-/// Explicit AVX2 + F16C: 8 lanes, f16 rows widened with `vcvtph2ps`; tails in scalar code.
-#[cfg(target_arch = "x86_64")]
-struct Avx2;
-#[cfg(target_arch = "x86_64")]
-impl Avx2 {
-    #[inline(always)]
-    unsafe fn load8<E: KvElem>(p: *const E) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::*;
-        if E::HALF {
-            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
-        } else {
-            _mm256_loadu_ps(p as *const f32)
-        }
-    }
-    #[inline(always)]
-    unsafe fn hsum(x: std::arch::x86_64::__m256) -> f32 {
-        use std::arch::x86_64::*;
-        let s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
-    /// `s[h] = q[h*hd..][..hd] · kr` for `h < N`; returns N.
-    #[inline(always)]
-    unsafe fn dots_n<E: KvElem, const N: usize>(q: &[f32], kr: &[E], s: &mut [f32]) -> usize {
-        use std::arch::x86_64::*;
-        let hd = kr.len();
-        assert!(q.len() >= N * hd && s.len() >= N);
-        let body = hd - hd % 8;
-        let mut acc = [_mm256_setzero_ps(); N];
-        let (kp, qp) = (kr.as_ptr(), q.as_ptr());
-        let mut c = 0;
-        while c < body {
-            let kv = Self::load8(kp.add(c));
-            for (h, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), kv, *a);
-            }
-            c += 8;
-        }
-        for (h, a) in acc.iter().enumerate() {
-            let mut x = Self::hsum(*a);
-            for i in body..hd {
-                x += q[h * hd + i] * kr[i].to_f32();
-            }
-            s[h] = x;
-        }
-        N
-    }
-    /// `acc[c..c + 8N] += sum_j p[j] * v[offs[j] + c..][..8N]`, the 8N floats kept in registers.
-    #[inline(always)]
-    unsafe fn axpy_pass<E: KvElem, const N: usize>(
-        ap: *mut f32,
-        p: &[f32],
-        vp: *const E,
-        offs: &[usize],
-        c: usize,
-    ) {
-        use std::arch::x86_64::*;
-        let mut a = [_mm256_setzero_ps(); N];
-        for (i, x) in a.iter_mut().enumerate() {
-            *x = _mm256_loadu_ps(ap.add(c + 8 * i));
-        }
-        for (&pj, &o) in p.iter().zip(offs) {
-            let pv = _mm256_set1_ps(pj);
-            let row = vp.add(o + c);
-            for (i, x) in a.iter_mut().enumerate() {
-                *x = _mm256_fmadd_ps(pv, Self::load8(row.add(8 * i)), *x);
-            }
-        }
-        for (i, x) in a.iter().enumerate() {
-            _mm256_storeu_ps(ap.add(c + 8 * i), *x);
-        }
-    }
-}
-#[cfg(target_arch = "x86_64")]
-impl Vops for Avx2 {
-    #[inline(always)]
-    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
-        let hd = kr.len();
-        let g = s.len();
-        assert!(q.len() >= g * hd);
-        // Fixed head counts keep the accumulators in registers (see Avx512::dots).
-        let mut h = 0;
-        while h < g {
-            h += match g - h {
-                1 => Self::dots_n::<E, 1>(&q[h * hd..], kr, &mut s[h..]),
-                2 => Self::dots_n::<E, 2>(&q[h * hd..], kr, &mut s[h..]),
-                3 => Self::dots_n::<E, 3>(&q[h * hd..], kr, &mut s[h..]),
-                _ => Self::dots_n::<E, 4>(&q[h * hd..], kr, &mut s[h..]),
-            };
-        }
-    }
-    #[inline(always)]
-    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
-        let hd = acc.len();
-        let body = hd - hd % 8;
-        let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
-        let mut c = 0;
-        while c + 32 <= body {
-            Self::axpy_pass::<E, 4>(ap, p, vp, offs, c);
-            c += 32;
-        }
-        while c < body {
-            Self::axpy_pass::<E, 1>(ap, p, vp, offs, c);
-            c += 8;
-        }
-        if body < hd {
-            for (&pj, &o) in p.iter().zip(offs) {
-                for i in body..hd {
-                    acc[i] += pj * v[o + i].to_f32();
-                }
-            }
-        }
-    }
-}
-
-/// Explicit AVX-512: the auto-vectorised dot ended in a serial 16-lane sum per key, which made
-/// scoring latency-bound. Here the K row is loaded once for all heads of the group; f16 rows are
-/// widened with `vcvtph2ps` (16 halves to 16 floats).
-#[cfg(target_arch = "x86_64")]
-struct Avx512;
-#[cfg(target_arch = "x86_64")]
-impl Avx512 {
-    /// The lanes of `mask` from `p` as f32; masked-off lanes read nothing and are zero.
-    #[inline(always)]
-    unsafe fn load16<E: KvElem>(
-        mask: std::arch::x86_64::__mmask16,
-        p: *const E,
-    ) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        if E::HALF {
-            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p as *const i16))
-        } else {
-            _mm512_maskz_loadu_ps(mask, p as *const f32)
-        }
-    }
-
-    /// Tile scores for N heads of head_dim 64; returns N.
-    #[inline(always)]
-    unsafe fn tile_dots64<E: KvElem, const N: usize>(
-        qp: *const f32,
-        kp: *const E,
-        offs: &[usize],
-        s: &mut [[f32; TILE]],
-        scale: f32,
-    ) -> usize {
-        use std::arch::x86_64::*;
-        let mut qv = [[_mm512_setzero_ps(); 4]; N];
-        for (h, qh) in qv.iter_mut().enumerate() {
-            for (c, x) in qh.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(qp.add(h * 64 + 16 * c));
-            }
-        }
-        for (jj, &o) in offs.iter().enumerate() {
-            let row = kp.add(o);
-            let kv = [
-                Self::load16(0xffff, row),
-                Self::load16(0xffff, row.add(16)),
-                Self::load16(0xffff, row.add(32)),
-                Self::load16(0xffff, row.add(48)),
-            ];
-            for (h, qh) in qv.iter().enumerate() {
-                let a = _mm512_mul_ps(qh[0], kv[0]);
-                let b = _mm512_mul_ps(qh[1], kv[1]);
-                let a = _mm512_fmadd_ps(qh[2], kv[2], a);
-                let b = _mm512_fmadd_ps(qh[3], kv[3], b);
-                s[h][jj] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
-            }
-        }
-        N
-    }
-
-    /// `s[h] = q[h*hd..][..hd] · k[..hd]` for `h < N`; returns N.
-    #[inline(always)]
-    unsafe fn dots_n<E: KvElem, const N: usize>(
-        qp: *const f32,
-        kp: *const E,
-        hd: usize,
-        s: *mut f32,
-    ) -> usize {
-        use std::arch::x86_64::*;
-        let mut acc = [_mm512_setzero_ps(); N];
-        let mut c = 0;
-        while c < hd {
-            let mask: __mmask16 = if hd - c >= 16 {
-                0xffff
-            } else {
-                ((1u32 << (hd - c)) - 1) as __mmask16
-            };
-            let kv = Self::load16(mask, kp.add(c));
-            for (h, a) in acc.iter_mut().enumerate() {
-                let qv = _mm512_maskz_loadu_ps(mask, qp.add(h * hd + c));
-                *a = _mm512_fmadd_ps(qv, kv, *a);
-            }
-            c += 16;
-        }
-        for (h, a) in acc.iter().enumerate() {
-            *s.add(h) = _mm512_reduce_add_ps(*a);
-        }
-        N
-    }
-}
-#[cfg(target_arch = "x86_64")]
-impl Vops for Avx512 {
-    #[inline(always)]
-    unsafe fn dots<E: KvElem>(q: &[f32], kr: &[E], s: &mut [f32]) {
-        let hd = kr.len();
-        let g = s.len();
-        assert!(q.len() >= g * hd);
-        let (kp, qp, sp) = (kr.as_ptr(), q.as_ptr(), s.as_mut_ptr());
-        // Heads in groups of at most 4 with a fixed count, so the accumulators stay in
-        // registers (a run-time count kept them in memory).
-        let mut h = 0;
-        while h < g {
-            let (qh, sh) = (qp.add(h * hd), sp.add(h));
-            h += match g - h {
-                1 => Self::dots_n::<E, 1>(qh, kp, hd, sh),
-                2 => Self::dots_n::<E, 2>(qh, kp, hd, sh),
-                3 => Self::dots_n::<E, 3>(qh, kp, hd, sh),
-                _ => Self::dots_n::<E, 4>(qh, kp, hd, sh),
-            };
-        }
-    }
-    /// head_dim 64: the group's query rows stay in registers (up to 4 heads x 4 vectors) for the
-    /// whole tile instead of being reloaded for every key.
-    #[inline(always)]
-    unsafe fn tile_dots<E: KvElem>(
-        q: &[f32],
-        k: &[E],
-        offs: &[usize],
-        hd: usize,
-        s: &mut [[f32; TILE]],
-        scale: f32,
-    ) -> bool {
-        if hd != 64 {
-            return false;
-        }
-        let g = s.len();
-        assert!(q.len() >= g * hd && offs.len() <= TILE);
-        let (qp, kp) = (q.as_ptr(), k.as_ptr());
-        let mut h = 0;
-        while h < g {
-            let (qh, sh) = (qp.add(h * hd), &mut s[h..]);
-            h += match g - h {
-                1 => Self::tile_dots64::<E, 1>(qh, kp, offs, sh, scale),
-                2 => Self::tile_dots64::<E, 2>(qh, kp, offs, sh, scale),
-                3 => Self::tile_dots64::<E, 3>(qh, kp, offs, sh, scale),
-                _ => Self::tile_dots64::<E, 4>(qh, kp, offs, sh, scale),
-            };
-        }
-        true
-    }
-    /// 64 output floats per pass held in 4 registers across the whole tile of keys, so the
-    /// accumulators do not round-trip through memory once per key.
-    #[inline(always)]
-    unsafe fn tile_axpy<E: KvElem>(acc: &mut [f32], p: &[f32], v: &[E], offs: &[usize]) {
-        use std::arch::x86_64::*;
-        let hd = acc.len();
-        let (ap, vp) = (acc.as_mut_ptr(), v.as_ptr());
-        let mask_at = |c: usize| -> __mmask16 {
-            if c >= hd {
-                0
-            } else if hd - c >= 16 {
-                0xffff
-            } else {
-                ((1u32 << (hd - c)) - 1) as __mmask16
-            }
-        };
-        let mut c = 0;
-        while c < hd {
-            let m = [
-                mask_at(c),
-                mask_at(c + 16),
-                mask_at(c + 32),
-                mask_at(c + 48),
-            ];
-            let mut a = [_mm512_setzero_ps(); 4];
-            for i in 0..4 {
-                // Masked-off lanes are never touched, so no access past the row.
-                a[i] = _mm512_maskz_loadu_ps(m[i], ap.wrapping_add(c + 16 * i));
-            }
-            for (&pj, &o) in p.iter().zip(offs) {
-                let pv = _mm512_set1_ps(pj);
-                let row = vp.wrapping_add(o + c);
-                for i in 0..4 {
-                    let y = Self::load16(m[i], row.wrapping_add(16 * i));
-                    a[i] = _mm512_fmadd_ps(pv, y, a[i]);
-                }
-            }
-            for i in 0..4 {
-                _mm512_mask_storeu_ps(ap.wrapping_add(c + 16 * i), m[i], a[i]);
-            }
-            c += 64;
-        }
-    }
-}
-
-/// Max of a tile in 16 independent lanes (`f32::max` in a fold does not vectorise).
+/// Reduces 16 lanes pairwise (lane l with l + 8, then + 4, + 2, + 1): a fixed order that
+/// vectorises.
 #[inline(always)]
-fn lane_max(x: &[f32; TILE]) -> f32 {
-    let mut m = [f32::NEG_INFINITY; 16];
-    for c in x.chunks_exact(16) {
-        for l in 0..16 {
-            m[l] = if c[l] > m[l] { c[l] } else { m[l] };
+fn tree16(mut x: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut n = LANES / 2;
+    while n > 0 {
+        for l in 0..n {
+            x[l] = op(x[l], x[l + n]);
         }
+        n /= 2;
     }
-    m.iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
-}
-
-/// Sum of a tile in 16 independent lanes (a serial sum is one add latency per key).
-#[inline(always)]
-fn lane_sum(x: &[f32; TILE]) -> f32 {
-    let mut m = [0f32; 16];
-    for c in x.chunks_exact(16) {
-        for l in 0..16 {
-            m[l] += c[l];
-        }
-    }
-    m.iter().sum()
-}
-
-/// Streaming (online) softmax over the keys `lo..=hi` of one segment, TILE keys at a time from
-/// `lo`: scores for the tile go to a small stack buffer, the running max/sum and the output
-/// accumulators are rescaled once per tile. Each K and V row is read once for all query heads of
-/// the group. Writes the unnormalised accumulators `[group, hd]` into `acc` and returns the
-/// segment's state: per head, the running max and the sum of exponentials.
-// Scores are indexed [head][key] from both loop orders; index loops read clearest here.
-#[allow(clippy::needless_range_loop)]
-#[inline(always)]
-fn attend<V: Vops, E: KvElem>(a: &Group<E>, acc: &mut [f32]) -> State {
-    let (hd, kvh, bs) = (a.c.hd, a.c.kvh, a.c.bs);
-    let group = a.c.group;
-    // The output accumulates in place: no per-call stack array to zero beyond what is used.
-    let acc = &mut acc[..group * hd];
-    acc.fill(0.0);
-    let mut mx = [f32::NEG_INFINITY; MAX_GROUP];
-    let mut sum = [0f32; MAX_GROUP];
-    let mut s = [[0f32; TILE]; MAX_GROUP];
-    // Walk the block table: one division per call instead of two per key.
-    let mut bi = a.lo / bs;
-    let mut r = a.lo % bs;
-    let mut base = a.table[bi] as usize * bs;
-    let mut j0 = a.lo;
-    while j0 <= a.hi {
-        let cnt = TILE.min(a.hi + 1 - j0);
-        // Row offsets once per tile (K and V share the layout).
-        let mut offs = [0usize; TILE];
-        for o in offs[..cnt].iter_mut() {
-            if r == bs {
-                r = 0;
-                bi += 1;
-                base = a.table[bi] as usize * bs;
-            }
-            *o = ((base + r) * kvh + a.g) * hd;
-            r += 1;
-        }
-        // Every K (and V) row of the tile lies inside the cache.
-        let last = offs[..cnt].iter().max().copied().unwrap_or(0);
-        assert!(last + hd <= a.c.k.len() && a.c.k.len() == a.c.v.len());
-        // SAFETY: `V` was chosen by run-time feature detection (detect_isa); rows checked above,
-        // and `a.q` holds `group` rows of `hd`.
-        let done =
-            unsafe { V::tile_dots(a.q, a.c.k, &offs[..cnt], hd, &mut s[..group], a.c.scale) };
-        if !done {
-            for jj in 0..cnt {
-                let kr = &a.c.k[offs[jj]..][..hd];
-                let mut sc = [0f32; MAX_GROUP];
-                // SAFETY: as above.
-                unsafe { V::dots(a.q, kr, &mut sc[..group]) };
-                for h in 0..group {
-                    s[h][jj] = sc[h] * a.c.scale;
-                }
-            }
-        }
-        for h in 0..group {
-            let sh = &mut s[h];
-            // Fixed-width passes over the whole tile vectorise; a short last tile is padded
-            // with -inf for the max and with 0 for the sum.
-            sh[cnt..].fill(f32::NEG_INFINITY);
-            let tile_max = lane_max(sh);
-            let new_max = mx[h].max(tile_max);
-            // First tile: nothing accumulated yet, so no rescale (avoids exp(-inf - -inf)).
-            let corr = if mx[h] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                fast_exp(mx[h] - new_max)
-            };
-            mx[h] = new_max;
-            // Exponentials first, then the sum.
-            for v in sh.iter_mut() {
-                *v = fast_exp(*v - new_max);
-            }
-            sh[cnt..].fill(0.0);
-            let tile_sum = lane_sum(sh);
-            sum[h] = sum[h] * corr + tile_sum;
-            if corr != 1.0 {
-                for x in acc[h * hd..(h + 1) * hd].iter_mut() {
-                    *x *= corr;
-                }
-            }
-        }
-        for h in 0..group {
-            // SAFETY: as above; every offset was bounds-checked against K, and V has K's length.
-            unsafe {
-                V::tile_axpy(
-                    &mut acc[h * hd..(h + 1) * hd],
-                    &s[h][..cnt],
-                    a.c.v,
-                    &offs[..cnt],
-                )
-            };
-        }
-        j0 += cnt;
-    }
-    State { mx, sum }
+    x[0]
 }
 
 /// Naive reference: dense scores and softmax in f64 (on the stored values, f16 widened exactly).
@@ -1052,16 +1038,12 @@ pub fn reference(
         for h in 0..n_heads {
             let g = h / group;
             let qh = &q[(t * n_heads + h) * hd..][..hd];
-            let off = |j: usize| {
-                let b = tables[r.table_start as usize + j / bs] as usize;
-                ((b * bs + j % bs) * kvh + g) * hd
-            };
+            let slot = |j: usize| tables[r.table_start as usize + j / bs] as usize * bs + j % bs;
             let scores: Vec<f64> = (lo..=pos)
                 .map(|j| {
-                    let o = off(j);
                     qh.iter()
                         .enumerate()
-                        .map(|(d, &a)| a as f64 * kv.k.get(o + d) as f64)
+                        .map(|(d, &a)| a as f64 * kv.k.get(kv.k_index(slot(j), g, d)) as f64)
                         .sum::<f64>()
                         * scale as f64
                 })
@@ -1072,7 +1054,7 @@ pub fn reference(
             for d in 0..hd {
                 let mut acc = 0.0;
                 for (idx, j) in (lo..=pos).enumerate() {
-                    acc += e[idx] * kv.v.get(off(j) + d) as f64;
+                    acc += e[idx] * kv.v.get(kv.v_index(slot(j), g, d)) as f64;
                 }
                 out[(t * n_heads + h) * hd + d] = (acc / z) as f32;
             }
@@ -1449,10 +1431,10 @@ mod tests {
     }
 
     /// A row's output is bitwise the same alone and in batches of 1 to 40 rows (decode rows of
-    /// other sequences and runs of consecutive prefill rows, short and long), whichever way the
-    /// segments run (split-K planned for 1, 2 or 8 threads, or never) and on 1 to 3 threads:
-    /// long (3000-key) and short target rows, with and without a sliding window, f32 and f16
-    /// K/V, every ISA.
+    /// other sequences and runs of consecutive prefill rows, short and long, which share tiles
+    /// in row blocks), whichever way the segments run (split-K planned for 1, 2 or 8 threads, or
+    /// never) and on 1 to 3 threads, and on every ISA the same as in the portable build: long
+    /// (3000-key) and short target rows, with and without a sliding window, f32 and f16 K/V.
     #[test]
     fn attention_rows_are_batch_invariant() {
         let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
@@ -1520,8 +1502,33 @@ mod tests {
                             isa,
                             Split::Auto,
                         );
+                        // The instruction set changes speed, not bits: the portable build
+                        // gives the same row.
+                        let mut portable = vec![f32::NAN; tq.len()];
+                        paged_attention_with(
+                            &tq,
+                            &[row(target.0, target.1)],
+                            &ids,
+                            &kv,
+                            n_heads,
+                            scale,
+                            window,
+                            &mut portable,
+                            &mut AttnScratch::new(1, n_heads, hd, 2),
+                            Isa::Plain,
+                            Split::Never,
+                        );
+                        assert!(
+                            portable
+                                .iter()
+                                .zip(&alone)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{isa:?} {dt} K/V, window {window:?}: row {target:?} differs from \
+                             the portable build"
+                        );
+                        // The target at a varying place among size - 1 others.
+                        let mut batches: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
                         for (bi, &size) in [1usize, 2, 3, 5, 8, 13, 24, 40].iter().enumerate() {
-                            // The target at a varying place among size - 1 others.
                             let at = (bi * 7) % size;
                             let mut batch: Vec<(usize, usize)> = others
                                 .iter()
@@ -1531,6 +1538,18 @@ mod tests {
                                 .copied()
                                 .collect();
                             batch.insert(at, target);
+                            batches.push((batch, at));
+                        }
+                        // In a run of consecutive rows of its own sequence (a prefill chunk),
+                        // sharing every tile with its neighbours in a row block, at each place.
+                        let (sq, pos) = target;
+                        for before in [1usize, 3, 7, 8, 12] {
+                            let first = pos.saturating_sub(before);
+                            let last = (pos + 5).min(seq_lens[sq] - 1);
+                            batches.push(((first..=last).map(|p| (sq, p)).collect(), pos - first));
+                        }
+                        for (batch, at) in batches {
+                            let size = batch.len();
                             let rows: Vec<AttnRow> =
                                 batch.iter().map(|&(sq, p)| row(sq, p)).collect();
                             let q: Vec<f32> =

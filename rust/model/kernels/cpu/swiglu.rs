@@ -67,14 +67,18 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting rounds to the nearest integer without round().
     const MAGIC: f32 = 12_582_912.0;
     let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E + MAGIC) - MAGIC;
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     // Taylor series to r^6 on |r| <= ln2/2: truncation error < 2e-7.
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // n as an integer, read from t's low mantissa bits (t = 1.5 * 2^23 + n exactly): `n as i32`
+    // saturates and checks for NaN, which does not vectorise.
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let scale = f32::from_bits((ni.wrapping_add(127) << 23) as u32);
     p * scale
 }
 
@@ -101,6 +105,8 @@ mod tests {
             x += 0.0137;
         }
         assert!(fast_exp(f32::NEG_INFINITY) < 1e-37);
+        // Attention skips its rescale when the running max is unchanged: that relies on this.
+        assert_eq!(fast_exp(0.0), 1.0);
     }
 
     #[test]
