@@ -31,7 +31,6 @@ import os
 import platform
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from strata_rs import Engine
+from strata_rs.bench.conversations import greedy_turn
 from strata_rs.bench.peers import (
     DECODE_SEED,
     INSTALL,
@@ -212,11 +212,11 @@ class _Strata:
         out: dict[str, Any] = {"kv_memory_mib": opts["kv_memory_mib"]}
         engine = await Engine.load(self.spec.model, **opts, disk_cache_days=0.0)
         try:
-            _, a0, _ = await _turn(engine, prompts["A0"], gen)
-            _, b0, _ = await _turn(engine, prompts["B0"], gen)
+            _, a0, _ = await greedy_turn(engine, prompts["A0"], gen)
+            _, b0, _ = await greedy_turn(engine, prompts["B0"], gen)
             returning = prompts["A0"] + a0 + prompts["A1"]
             before = engine.stats()["cache"]["hit_tokens"]
-            t, _, usage = await _turn(engine, returning, gen)
+            t, _, usage = await greedy_turn(engine, returning, gen)
             after = engine.stats()["cache"]["hit_tokens"]
             out["conversation_returning"] = t
             out["returning_hit_tokens"] = {k: after[k] - before[k] for k in after}
@@ -227,8 +227,8 @@ class _Strata:
         del cold_opts["disk_cache_dir"]
         engine = await Engine.load(self.spec.model, **cold_opts)
         try:
-            await _turn(engine, warmup, 1)
-            t, _, usage = await _turn(engine, returning, 1)
+            await greedy_turn(engine, warmup, 1)
+            t, _, usage = await greedy_turn(engine, returning, 1)
             if usage is not None and usage.cached_tokens != 0:
                 raise RuntimeError(f"cold prompt found {usage.cached_tokens} tokens cached")
             out["conversation_cold"] = t
@@ -237,29 +237,15 @@ class _Strata:
         engine = await Engine.load(self.spec.model, **opts)
         try:
             out["adopted_files"] = engine.stats()["cache"]["adopted_files"]
-            await _turn(engine, warmup, 1)
+            await greedy_turn(engine, warmup, 1)
             before = engine.stats()["cache"]["hit_tokens"]
-            t, _, usage = await _turn(engine, prompts["B0"] + b0 + prompts["B1"], gen)
+            t, _, usage = await greedy_turn(engine, prompts["B0"] + b0 + prompts["B1"], gen)
             after = engine.stats()["cache"]["hit_tokens"]
             out["conversation_restart"] = t
             out["restart_hit_tokens"] = {k: after[k] - before[k] for k in after}
         finally:
             await engine.close()
         return out, {"A0": a0, "B0": b0}
-
-
-async def _turn(engine: Engine, prompt: list[int], gen: int) -> tuple[float, list[int], Any]:
-    """(TTFT, the greedy answer's ids, the last chunk's usage)."""
-    t0 = time.perf_counter()
-    stream = engine.generate(prompt, max_tokens=gen, temperature=0, ignore_eos=True)
-    first = await stream.__anext__()
-    ttft = time.perf_counter() - t0
-    ids = list(first.token_ids)
-    usage = first.usage
-    async for chunk in stream:
-        ids += chunk.token_ids
-        usage = chunk.usage or usage
-    return ttft, ids, usage
 
 
 # -- peers -------------------------------------------------------------------------------------

@@ -94,7 +94,9 @@ def _drop_page_cache(folder: Path) -> int:
     return total
 
 
-async def _ttft(engine: Engine, prompt: list[int], gen: int) -> tuple[float, list[int], Any]:
+async def greedy_turn(
+    engine: Engine, prompt: list[int], gen: int
+) -> tuple[float, list[int], Any]:
     """(TTFT, the answer's ids, the last chunk's usage) of one greedy request."""
     t0 = time.perf_counter()
     stream = engine.generate(prompt, max_tokens=gen, temperature=0, ignore_eos=True)
@@ -136,7 +138,7 @@ def _cache_view(engine: Engine) -> dict[str, Any]:
 
 async def _measured_turn(engine: Engine, prompt: list[int], gen: int) -> dict[str, Any]:
     before = _cache_view(engine)
-    ttft, answer, usage = await _ttft(engine, prompt, gen)
+    ttft, answer, usage = await greedy_turn(engine, prompt, gen)
     after = _cache_view(engine)
     hit = {t: after["hit"][t] - before["hit"][t] for t in after["hit"]}
     restore = None
@@ -167,18 +169,9 @@ class _Llama:
         self.states: dict[int, tuple[int, Any, int]] = {}
 
     def _new(self) -> Any:
-        llm = self.lib.Llama(
-            model_path=str(self.gguf),
-            n_ctx=self.n_ctx,
-            n_batch=512,
-            n_ubatch=512,
-            n_threads=self.threads,
-            n_threads_batch=self.threads,
-            logits_all=False,
-            verbose=False,
-        )
-        llm.set_cache(self.lib.LlamaRAMCache(capacity_bytes=2 << 30))
-        return llm
+        from strata_rs.bench.peer_llama_cpp import new_llama
+
+        return new_llama(self.lib, self.gguf, self.n_ctx, self.threads)
 
     @staticmethod
     def completion_ttft(llm: Any, prompt: list[int]) -> float:
@@ -301,8 +294,8 @@ async def run_conversations(
     async def cold_ttft(prompt: list[int]) -> float:
         engine = await Engine.load(model, **engine_opts, host_cache_mib=0, disk_cache_mib=0)
         try:
-            await _ttft(engine, warmup(), 1)
-            t, _, usage = await _ttft(engine, prompt, 1)
+            await greedy_turn(engine, warmup(), 1)
+            t, _, usage = await greedy_turn(engine, prompt, 1)
             if usage is not None and usage.cached_tokens != 0:
                 raise RuntimeError(f"cold prompt found {usage.cached_tokens} tokens cached")
             return t
@@ -327,8 +320,8 @@ async def run_conversations(
     try:
         log(f"conversations: building {conversations} histories of {history} tokens")
         for c in range(conversations):
-            _, answer, _ = await _ttft(engine, histories[c], gen)
-            _, same, _ = await _ttft(resident, histories[c], gen)
+            _, answer, _ = await greedy_turn(engine, histories[c], gen)
+            _, same, _ = await greedy_turn(resident, histories[c], gen)
             answers_differ += same != answer
             if llama is not None:
                 llama.completion_ttft(llama.llm, histories[c])
@@ -340,7 +333,7 @@ async def run_conversations(
                 prompt = histories[c] + ids(new_tokens)
                 turn = await _measured_turn(engine, prompt, gen)
                 ttft = {"strata-rs": turn["ttft_s"]}
-                t_res, same, usage = await _ttft(resident, prompt, gen)
+                t_res, same, usage = await greedy_turn(resident, prompt, gen)
                 ttft["device"] = t_res
                 turn["device_cached_tokens"] = usage.cached_tokens if usage is not None else None
                 # Batch-invariant kernels: restored K/V must give the resident engine's tokens.
@@ -374,7 +367,7 @@ async def run_conversations(
         engine = await Engine.load(model, **engine_opts, **tiers)
         try:
             adopted = engine.stats()["cache"]["adopted_files"]
-            await _ttft(engine, warmup(), 1)
+            await greedy_turn(engine, warmup(), 1)
             if llama is not None and phase == "disk":
                 llama.restart(warmup())
             for c in range(conversations):

@@ -39,6 +39,23 @@ import numpy as np
 BATCH = 512
 
 
+def new_llama(lib: Any, gguf: Path, n_ctx: int, threads: int) -> Any:
+    """A `Llama` as llama-cpp-python's server makes one with `--cache true`: batches of 512,
+    `threads` for decode and batch, and a RAM prompt cache."""
+    llm = lib.Llama(
+        model_path=str(gguf),
+        n_ctx=n_ctx,
+        n_batch=BATCH,
+        n_ubatch=BATCH,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
+    llm.set_cache(lib.LlamaRAMCache(capacity_bytes=2 << 30))
+    return llm
+
+
 class LlamaCppPeer:
     name = "llama.cpp"
     takes_token_ids = True
@@ -59,18 +76,7 @@ class LlamaCppPeer:
         self._restored: set[Any] = set()
 
     def _new(self) -> Any:
-        llm = self.lib.Llama(
-            model_path=str(self.gguf),
-            n_ctx=self.n_ctx,
-            n_batch=BATCH,
-            n_ubatch=BATCH,
-            n_threads=self.threads,
-            n_threads_batch=self.threads,
-            logits_all=False,
-            verbose=False,
-        )
-        llm.set_cache(self.lib.LlamaRAMCache(capacity_bytes=2 << 30))
-        return llm
+        return new_llama(self.lib, self.gguf, self.n_ctx, self.threads)
 
     def _last_argmax(self, ctx: Any = None, i: int = -1) -> int:
         ptr = self.lib.llama_get_logits_ith(ctx if ctx is not None else self.llm.ctx, i)

@@ -1488,36 +1488,27 @@ mod tests {
                 for isa in isas() {
                     for target in [(0usize, 2999usize), (2, 130), (3, 40)] {
                         let tq = qrow(target.0, target.1);
-                        let mut alone = vec![f32::NAN; tq.len()];
-                        paged_attention_with(
-                            &tq,
-                            &[row(target.0, target.1)],
-                            &ids,
-                            &kv,
-                            n_heads,
-                            scale,
-                            window,
-                            &mut alone,
-                            &mut AttnScratch::new(1, n_heads, hd, 2),
-                            isa,
-                            Split::Auto,
-                        );
+                        let solo = |isa: Isa, split: Split| {
+                            let mut out = vec![f32::NAN; tq.len()];
+                            paged_attention_with(
+                                &tq,
+                                &[row(target.0, target.1)],
+                                &ids,
+                                &kv,
+                                n_heads,
+                                scale,
+                                window,
+                                &mut out,
+                                &mut AttnScratch::new(1, n_heads, hd, 2),
+                                isa,
+                                split,
+                            );
+                            out
+                        };
+                        let alone = solo(isa, Split::Auto);
                         // The instruction set changes speed, not bits: the portable build
                         // gives the same row.
-                        let mut portable = vec![f32::NAN; tq.len()];
-                        paged_attention_with(
-                            &tq,
-                            &[row(target.0, target.1)],
-                            &ids,
-                            &kv,
-                            n_heads,
-                            scale,
-                            window,
-                            &mut portable,
-                            &mut AttnScratch::new(1, n_heads, hd, 2),
-                            Isa::Plain,
-                            Split::Never,
-                        );
+                        let portable = solo(Isa::Plain, Split::Never);
                         assert!(
                             portable
                                 .iter()
