@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from strata_rs import Engine
-from strata_rs.bench.conversations import greedy_turn
+from strata_rs.bench.conversations import cold_turn_ttft, greedy_turn
 from strata_rs.bench.peers import (
     DECODE_SEED,
     INSTALL,
@@ -223,17 +223,8 @@ class _Strata:
             out["returning_cached_tokens"] = usage.cached_tokens if usage is not None else None
         finally:
             await engine.close()
-        cold_opts = {**opts, "host_cache_mib": 0, "disk_cache_mib": 0}
-        del cold_opts["disk_cache_dir"]
-        engine = await Engine.load(self.spec.model, **cold_opts)
-        try:
-            await greedy_turn(engine, warmup, 1)
-            t, _, usage = await greedy_turn(engine, returning, 1)
-            if usage is not None and usage.cached_tokens != 0:
-                raise RuntimeError(f"cold prompt found {usage.cached_tokens} tokens cached")
-            out["conversation_cold"] = t
-        finally:
-            await engine.close()
+        tiered = {k: v for k, v in opts.items() if k not in ("host_cache_mib", "disk_cache_mib")}
+        out["conversation_cold"] = await cold_turn_ttft(self.spec.model, tiered, warmup, returning)
         engine = await Engine.load(self.spec.model, **opts)
         try:
             out["adopted_files"] = engine.stats()["cache"]["adopted_files"]

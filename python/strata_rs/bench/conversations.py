@@ -94,9 +94,7 @@ def _drop_page_cache(folder: Path) -> int:
     return total
 
 
-async def greedy_turn(
-    engine: Engine, prompt: list[int], gen: int
-) -> tuple[float, list[int], Any]:
+async def greedy_turn(engine: Engine, prompt: list[int], gen: int) -> tuple[float, list[int], Any]:
     """(TTFT, the answer's ids, the last chunk's usage) of one greedy request."""
     t0 = time.perf_counter()
     stream = engine.generate(prompt, max_tokens=gen, temperature=0, ignore_eos=True)
@@ -108,6 +106,23 @@ async def greedy_turn(
         ids += chunk.token_ids
         usage = chunk.usage or usage
     return ttft, ids, usage
+
+
+async def cold_turn_ttft(
+    model: str | Path, opts: dict[str, Any], warmup: list[int], prompt: list[int]
+) -> float:
+    """TTFT of `prompt` on a fresh engine with `opts` and the tiers off, warmed up with an
+    unrelated prompt first: the whole prompt is prefilled (checked: nothing cached)."""
+    cold = {k: v for k, v in opts.items() if k != "disk_cache_dir"}
+    engine = await Engine.load(model, **cold, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        await greedy_turn(engine, warmup, 1)
+        t, _, usage = await greedy_turn(engine, prompt, 1)
+        if usage is not None and usage.cached_tokens != 0:
+            raise RuntimeError(f"cold prompt found {usage.cached_tokens} tokens cached")
+        return t
+    finally:
+        await engine.close()
 
 
 class _CacheLog(logging.Handler):
@@ -292,15 +307,7 @@ async def run_conversations(
     histories = [ids(history) for _ in range(conversations)]
 
     async def cold_ttft(prompt: list[int]) -> float:
-        engine = await Engine.load(model, **engine_opts, host_cache_mib=0, disk_cache_mib=0)
-        try:
-            await greedy_turn(engine, warmup(), 1)
-            t, _, usage = await greedy_turn(engine, prompt, 1)
-            if usage is not None and usage.cached_tokens != 0:
-                raise RuntimeError(f"cold prompt found {usage.cached_tokens} tokens cached")
-            return t
-        finally:
-            await engine.close()
+        return await cold_turn_ttft(model, engine_opts, warmup(), prompt)
 
     llama: _Llama | None = None
     if llama_cpp_gguf is not None:

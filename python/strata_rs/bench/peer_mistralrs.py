@@ -51,7 +51,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = "pip install mistralrs"
 RESTART_NA = (
     "mistral.rs keeps its prefix cache in process memory only (Runner(prefix_cache_n): evicted "
     "sequences are dropped and re-prefilled); its API cannot save K/V for a new process"

@@ -32,7 +32,6 @@ from typing import Any
 
 from strata_rs.bench.peers import first_difference
 
-INSTALL_HINT = "pip install transformers torch"
 RESTART_NA = (
     "transformers keeps past_key_values (DynamicCache) only in process memory and has no API "
     "to save it and load it in a new process"

@@ -36,8 +36,6 @@ MODULES = {
     "transformers": ("torch", "transformers"),
     "mistralrs": ("mistralrs",),
 }
-# Kept for older callers: the install line of llama-cpp-python.
-INSTALL_HINT = INSTALL["llama.cpp"]
 
 Importer = Callable[[str], ModuleType]
 
@@ -75,11 +73,6 @@ def missing(name: str, importer: Importer = importlib.import_module) -> str | No
 def skip_line(name: str, reason: str) -> str:
     """The line printed for a peer that is not installed."""
     return f"skipping {name}: not installed ({reason}); install it with: {INSTALL[name]}"
-
-
-def llama_cpp_available() -> str | None:
-    """None if llama-cpp-python (and gguf) import, else the command that installs them."""
-    return None if missing("llama.cpp") is None else INSTALL_HINT
 
 
 # -- prompts -----------------------------------------------------------------------------------
