@@ -425,7 +425,8 @@ async def test_the_environment_variable_injects_faults(
         ({"cache_faults": "bogus"}, 'cache_faults: "bogus": expected kind:N or kind:*'),
         (
             {"cache_faults": "disk:1"},
-            'cache_faults: "disk:1": the kind must be alloc, copy_out, copy_in, write or read',
+            'cache_faults: "disk:1": the kind must be alloc, copy_out, copy_in, write, read'
+            " or ram_gate",
         ),
     ],
 )

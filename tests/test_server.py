@@ -785,6 +785,7 @@ async def test_models_tokenize_detokenize_cache_and_metrics(
                 "refusals": {"ram": 0, "host_budget": 0, "disk_budget": 0, "device": 0},
                 "corrupt_files": 0,
                 "adopted_files": 0,
+                "faults_injected": {},
                 "last_restore": None,
             }
             ids = list(range(3, 53))  # 50 tokens: 3 full blocks

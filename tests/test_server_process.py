@@ -7,11 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,66 +18,9 @@ import httpx
 import openai
 import pytest
 from strata_rs import Completion, Engine
+from strata_rs.testing.server import Server, serve_argv
 
 MakeModel = Callable[..., Path]
-
-
-class Server:
-    """A server subprocess; its log (stderr) is read by a thread, line by line."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        line = self.wait_line("listening on http://")
-        self.url = line.split("listening on ")[1].split()[0]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            print("server:", line, end="")  # pytest shows it when a test fails
-            self.lines.append(line.rstrip("\n"))
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_line(self, needle: str, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {needle!r} in the log: {self.lines}") from None
-            if line is None:
-                raise AssertionError(f"the server exited: {self.lines}")
-            if needle in line:
-                return line
-
-    def wait_healthy(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"never healthy: {self.lines}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
-
-
-def serve_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "strata_rs.cli", "serve", "--port", "0", *args]
 
 
 def reference(

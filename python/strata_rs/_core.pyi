@@ -271,6 +271,10 @@ class CacheStatsDict(TypedDict):
     """Disk files found bad (startup scan or a read) and deleted."""
     adopted_files: int
     """Disk files of this model adopted by the startup scan."""
+    faults_injected: dict[
+        Literal["alloc", "copy_out", "copy_in", "write", "read", "ram_gate"], int
+    ]
+    """Faults injected by `cache_faults`, per kind; only kinds that fired appear."""
     last_restore: CacheRestore | None
 
 class EngineStatsDict(TypedDict):
@@ -333,10 +337,10 @@ class Engine:
         ~/.cache/strata-rs/kv).
         disk_cache_mib: disk tier budget; 0 turns the tier off.
         disk_cache_days: files older than this are deleted at start; 0 empties the tier at start.
-        cache_faults: fault injection for tests, e.g. "copy_in:2,read:*" (kinds alloc,
-        copy_out, copy_in, write, read; N: the Nth operation of that kind fails, *: every one);
-        default:
-        $STRATA_CACHE_FAULTS.
+        cache_faults: fault injection for tests, e.g. "copy_in:2,read:5%,ram_gate:100-200"
+        (kinds alloc, copy_out, copy_in, write, read, ram_gate; N: the Nth operation of that
+        kind fails, A-B: operations A to B, P%: each with probability P percent (fixed seed),
+        *: every one); default: $STRATA_CACHE_FAULTS.
 
         A clean close() writes the cached K/V to the disk tier; the next load of the same model
         adopts those files."""

@@ -218,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--cache-faults",
         default=None,
-        help="fault injection for tests, e.g. copy_in:2,read:* (kinds alloc, copy_out, copy_in, "
-        "write, read; default: $STRATA_CACHE_FAULTS)",
+        help="fault injection for tests, e.g. copy_in:2,read:5%%,ram_gate:100-200 (kinds alloc, "
+        "copy_out, copy_in, write, read, ram_gate; default: $STRATA_CACHE_FAULTS)",
     )
     s.add_argument(
         "--api-key",
@@ -249,6 +249,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         default="info",
         help="default info: one line per request",
+    )
+    s.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="also log each request's prompt and the full error messages, which can quote it "
+        "(off by default: the log never holds what users wrote)",
     )
 
     i = sub.add_parser("info", help="show what a model folder is and how it would load")
@@ -499,6 +505,7 @@ def _serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace_seconds,
         log_level=args.log_level,
         served_model_name=args.served_model_name,
+        log_prompts=args.log_prompts,
     )
 
 

@@ -166,7 +166,8 @@ impl DiskTier {
     /// -> every one of ours deleted; header unreadable/any header field not matching
     /// `layout`/header checksum wrong/file length != header + block_bytes -> deleted (corrupt);
     /// else adopted (hash and tokens kept in memory; payload is NOT read at scan; it is verified
-    /// on every read). Leftover temp files `.{salt:016x}-*.tmp-*` of ours -> deleted (temp).
+    /// on every read). Leftover temp files `.{salt:016x}-*.tmp-*` of ours (writer gone, or older
+    /// than 10 minutes) -> deleted (temp).
     /// Then, if adopted bytes exceed the budget, the oldest (by mtime) are deleted until within
     /// it. Errors only when the directory cannot be created or listed.
     pub fn open(
@@ -225,8 +226,10 @@ impl DiskTier {
                 .unwrap_or(0.0);
             if is_temp {
                 // A recent temp file may be another live engine's write in progress (two
-                // processes can share a folder): only a stale one is a crash's leftover.
-                if age_secs > TEMP_GRACE_SECS && delete(&path) {
+                // processes can share a folder): a crash's leftover is one whose writer is gone
+                // or that is old.
+                let leftover = age_secs > TEMP_GRACE_SECS || !writer_may_be_alive(name);
+                if leftover && delete(&path) {
                     report.temp_deleted += 1;
                 }
                 continue;
@@ -528,6 +531,22 @@ fn encode_header(
     let checksum = xxh3_64(&h);
     h.extend_from_slice(&checksum.to_le_bytes());
     h
+}
+
+/// Whether the process named in a temp file's name (`.{name}.tmp-{pid}-{n}`) may still be
+/// writing it: a live process other than this one, which has written nothing when it scans.
+/// Without /proc to ask, or with a name we cannot read, assume it may.
+fn writer_may_be_alive(temp_name: &str) -> bool {
+    let pid = temp_name
+        .rsplit_once(".tmp-")
+        .and_then(|(_, rest)| rest.split('-').next())
+        .and_then(|pid| pid.parse::<u32>().ok());
+    let Some(pid) = pid else { return true };
+    if pid == std::process::id() {
+        return false;
+    }
+    let proc = Path::new("/proc");
+    !proc.join("self").exists() || proc.join(pid.to_string()).exists()
 }
 
 /// Little-endian reads from a header whose length the caller checked.
@@ -1083,13 +1102,23 @@ mod tests {
     #[test]
     fn leftover_temp_is_deleted() {
         let d = tempfile::tempdir().unwrap();
-        let ours = d.path().join(format!(".{}.tmp-123-0", file_name(SALT, 9)));
-        let theirs = d
-            .path()
-            .join(format!(".{}.tmp-123-0", file_name(0xfeed, 9)));
+        // pid 1 is always alive: only the age can make its temp files leftovers.
+        let ours = d.path().join(format!(".{}.tmp-1-0", file_name(SALT, 9)));
+        let theirs = d.path().join(format!(".{}.tmp-1-0", file_name(0xfeed, 9)));
         // Another live process's write in progress: recent, so left alone.
-        let in_progress = d.path().join(format!(".{}.tmp-456-0", file_name(SALT, 8)));
-        for p in [&ours, &theirs, &in_progress] {
+        let in_progress = d.path().join(format!(".{}.tmp-1-1", file_name(SALT, 8)));
+        // Recent, but its writer has exited (a crash a moment ago) or is this very process.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        let dead = d
+            .path()
+            .join(format!(".{}.tmp-{}-0", file_name(SALT, 7), child.id()));
+        let mine = d.path().join(format!(
+            ".{}.tmp-{}-5",
+            file_name(SALT, 6),
+            std::process::id()
+        ));
+        for p in [&ours, &theirs, &in_progress, &dead, &mine] {
             fs::write(p, b"partial").unwrap();
         }
         let stale = SystemTime::now() - std::time::Duration::from_secs(3600);
@@ -1106,11 +1135,12 @@ mod tests {
         assert_eq!(
             report,
             ScanReport {
-                temp_deleted: 1,
+                temp_deleted: 3,
                 ..ScanReport::default()
             }
         );
         assert!(!ours.exists() && theirs.exists());
+        assert!(!dead.exists() && !mine.exists());
     }
 
     #[test]

@@ -167,6 +167,8 @@ pub struct CacheStats {
     pub corrupt_files: u64,
     /// Files adopted by the startup scan.
     pub adopted_files: u64,
+    /// Faults injected by `cache_faults`, per kind: each one is also a failed or refused move.
+    pub faults_injected: BTreeMap<&'static str, u64>,
     pub last_restore: Option<RestoreRecord>,
 }
 

@@ -9,7 +9,7 @@ use super::disk::{BlockLayout, DiskError, DiskOptions, DiskTier};
 use super::faults::{FaultKind, Faults};
 use super::host::HostTier;
 use super::{mib, CacheOptions, CacheStats, Gate, MoveResult, RestoreRecord, Tier};
-use crate::device::host::RamGate;
+use crate::device::host::{RamGate, RamRefusal};
 use crate::error::Result;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::Evicted;
@@ -151,14 +151,35 @@ impl ConversationCache {
         }
     }
 
+    /// Counts one operation of `kind` for fault injection; true when it must fail (counted).
+    fn fault(&mut self, kind: FaultKind) -> bool {
+        let fails = self.faults.fails(kind);
+        if fails {
+            *self.stats.faults_injected.entry(kind.name()).or_default() += 1;
+        }
+        fails
+    }
+
+    /// The RAM gate, or the `ram_gate` fault: a refusal as if the telemetry could not be read.
+    fn admit_ram(&mut self, need: u64) -> std::result::Result<(), RamRefusal> {
+        if self.fault(FaultKind::RamGate) {
+            return Err(RamRefusal {
+                need,
+                floor: self.gate.floor(),
+                available: None,
+                reason: "injected fault".into(),
+            });
+        }
+        self.gate.admit(need)
+    }
+
     /// The one-block staging buffer of disk moves, allocated on first use through the RAM gate
     /// (a refusal refuses that move; a later one tries again). Kept for the engine's life.
     fn staging(&mut self) -> std::result::Result<(), String> {
         if self.scratch.len() == self.block_bytes {
             return Ok(());
         }
-        self.gate
-            .admit(self.block_bytes as u64)
+        self.admit_ram(self.block_bytes as u64)
             .map_err(|r| format!("no staging buffer: {r}"))?;
         self.scratch =
             zeroed_block(self.block_bytes).map_err(|e| format!("no staging buffer: {e}"))?;
@@ -194,7 +215,7 @@ impl ConversationCache {
                 "host budget {} is smaller than one block",
                 mib(self.host.budget())
             ));
-        } else if let Err(r) = self.gate.admit(need) {
+        } else if let Err(r) = self.admit_ram(need) {
             self.refuse(Gate::Ram);
             host_refusal = Some(r.to_string());
         }
@@ -262,11 +283,11 @@ impl ConversationCache {
             }
         }
         // The RAM gate admitted the whole batch already: this is the allocation itself.
-        if self.faults.fails(FaultKind::Alloc) {
+        if self.fault(FaultKind::Alloc) {
             return Err("allocation failed (injected fault)".into());
         }
         let mut buf = zeroed_block(self.block_bytes)?;
-        if self.faults.fails(FaultKind::CopyOut) {
+        if self.fault(FaultKind::CopyOut) {
             return Err("copy failed (injected fault)".into());
         }
         kv.read_block(e.block, &mut buf);
@@ -289,10 +310,13 @@ impl ConversationCache {
             disk.touch(hash);
             return Ok(());
         }
-        if self.faults.fails(FaultKind::Write) {
+        if self.fault(FaultKind::Write) {
             self.count(Tier::Host, Tier::Disk, MoveResult::Failed, 1);
             return Err("write failed (injected fault)".into());
         }
+        let Some(disk) = self.disk.as_mut() else {
+            return Ok(());
+        };
         let result = disk.write(hash, tokens, data);
         self.disk_result(Tier::Host, result)
     }
@@ -308,7 +332,7 @@ impl ConversationCache {
             disk.touch(e.hash);
             return Some(Ok(()));
         }
-        if self.faults.fails(FaultKind::Write) {
+        if self.fault(FaultKind::Write) {
             self.count(Tier::Device, Tier::Disk, MoveResult::Failed, 1);
             return Some(Err("write failed (injected fault)".into()));
         }
@@ -396,7 +420,7 @@ impl ConversationCache {
             let i = from + j;
             let (h, t) = (hashes[i], &tokens[i * bs..(i + 1) * bs]);
             if self.host.contains(h, t) {
-                if self.faults.fails(FaultKind::CopyIn) {
+                if self.fault(FaultKind::CopyIn) {
                     self.count(Tier::Host, Tier::Device, MoveResult::Failed, 1);
                     stopped = Some("copy from host failed (injected fault)".into());
                     break;
@@ -463,7 +487,7 @@ impl ConversationCache {
 
     /// Reads one block from disk into `scratch`.
     fn read_from_disk(&mut self, hash: u64, tokens: &[u32]) -> std::result::Result<(), String> {
-        if self.faults.fails(FaultKind::Read) {
+        if self.fault(FaultKind::Read) {
             return Err("read from disk failed (injected fault)".into());
         }
         self.staging()?;
@@ -693,6 +717,29 @@ mod tests {
         let expect: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
         assert_eq!(keys(&pool, &dst, 6), expect);
         assert_eq!(cache.stats().hit_tokens_disk, 6);
+    }
+
+    #[test]
+    fn an_injected_ram_gate_refusal_sends_the_batch_to_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        // Plenty of memory, but the first gate check (the host batch) is made to refuse; the
+        // second (the disk's staging buffer) passes.
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 1, 1, "ram_gate:1");
+        let tokens = [31u32, 32, 33, 34, 35, 36];
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(cache.stats().refusals.get(&Gate::Ram), Some(&1));
+        assert_eq!(
+            moved(&cache, Tier::Device, Tier::Host, MoveResult::Refused),
+            3
+        );
+        assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
+        pool.release(&a.blocks);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), 3);
+        let expect: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
+        assert_eq!(keys(&pool, &dst, 6), expect);
     }
 
     #[test]

@@ -141,6 +141,11 @@ fn cache_dict<'py>(
     d.set_item("refusals", refusals)?;
     d.set_item("corrupt_files", c.corrupt_files)?;
     d.set_item("adopted_files", c.adopted_files)?;
+    let injected = PyDict::new(py);
+    for (kind, n) in &c.faults_injected {
+        injected.set_item(kind, n)?;
+    }
+    d.set_item("faults_injected", injected)?;
     let last = match &c.last_restore {
         Some(r) => {
             let l = PyDict::new(py);

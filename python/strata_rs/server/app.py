@@ -55,6 +55,9 @@ class Settings:
     demo: bool = False
     # How often the watchdog checks that the engine loop still serves.
     watchdog_seconds: float = 0.1
+    # Log each request's prompt and the full text of error messages (which can quote what the
+    # client sent). Off: the log has sizes, timings, status codes and field names only.
+    log_prompts: bool = False
 
 
 def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
@@ -184,9 +187,14 @@ def _error(e: ApiError, state: ServerState, endpoint: str) -> Response:
     return _json(e.body(), e.status, e.headers)
 
 
-def _log_error(endpoint: str, e: ApiError) -> None:
-    # Error messages name fields and values the server checked; they never carry prompt text.
-    logger.info("%s %d %s: %s", endpoint, e.status, e.type, e.message)
+def _log_error(state: ServerState, endpoint: str, e: ApiError) -> None:
+    # A message can quote what the client sent (an unknown role, a template's complaint about a
+    # message): only --log-prompts lets it into the log; the client always gets it.
+    detail = f": {e.message}" if state.settings.log_prompts else ""
+    param = openai.loggable_param(e.param) if not state.settings.log_prompts else e.param
+    param = f" param={param}" if param else ""
+    code = f" code={e.code}" if e.code else ""
+    logger.info("%s %d %s%s%s%s", endpoint, e.status, e.type, param, code, detail)
 
 
 # ---- generation --------------------------------------------------------------------------------
@@ -298,6 +306,10 @@ class _Progress:
             finish,
             " stream" if self.req.stream else "",
         )
+        if self.state.settings.log_prompts:
+            req = self.req
+            prompt = req.messages if req.kind == "chat" else req.prompts
+            logger.info("%s prompt: %s", req.request_id, json.dumps(prompt, ensure_ascii=False))
 
 
 async def _watch_disconnect(
@@ -375,7 +387,7 @@ class _EventStream(Response):
                 # event (the openai client raises it); no [DONE], the answer is incomplete.
                 err = openai.engine_error(e)
                 p.outcome = "error"
-                _log_error(p.endpoint, err)
+                _log_error(p.state, p.endpoint, err)
                 event = writer.error(err)
                 await send({"type": "http.response.body", "body": event, "more_body": False})
         finally:
@@ -436,7 +448,7 @@ async def _generate(request: Request, kind: str) -> Response:
         req = parse(body, state.model_name)
         streams = _open_streams(engine, req, state.settings.retry_after_seconds)
     except ApiError as e:
-        _log_error(endpoint, e)
+        _log_error(state, endpoint, e)
         return _error(e, state, endpoint)
     progress = _Progress(state, req, endpoint, t0)
     if req.stream:
@@ -447,7 +459,7 @@ async def _generate(request: Request, kind: str) -> Response:
         err = openai.engine_error(e)
         progress.outcome = "error"
         progress.done(err.status)
-        _log_error(endpoint, err)
+        _log_error(state, endpoint, err)
         return _json(err.body(), err.status, err.headers)
     progress.done(200)
     body_out = openai.full_response(req, choices, openai.sum_usage(progress.usages))
@@ -500,7 +512,7 @@ def _simple(endpoint: str, auth: bool = True) -> Callable[[_Handler], _Endpoint]
                     state.authorize(request)
                 response = await f(request, state)
             except ApiError as e:
-                _log_error(endpoint, e)
+                _log_error(state, endpoint, e)
                 return _error(e, state, endpoint)
             state.metrics.http_requests.labels(endpoint, str(response.status_code)).inc()
             return response
@@ -647,6 +659,7 @@ def cache_report(stats: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str,
         "refusals": dict.fromkeys(CACHE_GATES, 0) | dict(c["refusals"]),
         "corrupt_files": c["corrupt_files"],
         "adopted_files": c["adopted_files"],
+        "faults_injected": dict(c["faults_injected"]),
         "last_restore": c["last_restore"],
     }
 

@@ -154,6 +154,14 @@ class EngineCollector(Collector):
             "Disk tier files found bad (at the startup scan or on a read) and deleted",
             cache["corrupt_files"],
         )
+        injected = CounterMetricFamily(
+            "strata:cache_faults_injected",
+            "Faults injected by --cache-faults, per kind (each is also a failed or refused move)",
+            labels=["kind"],
+        )
+        for kind, n in cache["faults_injected"].items():
+            injected.add_metric([kind], n)
+        yield injected
         yield counter(
             "strata:prompt_tokens", "Prompt tokens of admitted requests", s["prompt_tokens"]
         )

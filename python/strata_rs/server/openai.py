@@ -85,6 +85,28 @@ _CHAT_FIELDS = frozenset(
     )
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
+# Every field name a request may carry (generation, /tokenize, /detokenize): the only `param`
+# values the log may show, since an unrecognized field's name is text the client wrote.
+_KNOWN_PARAMS = frozenset(
+    (
+        *_CHAT_FIELDS,
+        *_COMPLETION_FIELDS,
+        *_IGNORED,
+        *_UNSUPPORTED,
+        "max_tokens",
+        "tokens",
+        "add_special_tokens",
+        "prompt",
+    )
+)
+
+
+def loggable_param(param: str | None) -> str | None:
+    """`param` when it is (inside) a field this server knows, else a placeholder."""
+    if param is None:
+        return None
+    head = param.split("[", 1)[0].split(".", 1)[0]
+    return param if head in _KNOWN_PARAMS else "(unrecognized field)"
 
 # OpenAI's default for /v1/completions; chat has no default (until EOS or the context's end).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

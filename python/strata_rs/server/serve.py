@@ -137,6 +137,7 @@ def serve(
     grace_seconds: float = 30.0,
     log_level: str = "info",
     served_model_name: str | None = None,
+    log_prompts: bool = False,
 ) -> int:
     """What `strata-rs serve` runs; returns the process's exit status."""
     from strata_rs import Engine
@@ -163,6 +164,7 @@ def serve(
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         demo=demo,
+        log_prompts=log_prompts,
     )
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
