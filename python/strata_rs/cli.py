@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         "interleaved, and compare tokens/s and TTFT",
     )
     b.add_argument(
+        "--http-client",
+        choices=("raw", "httpx"),
+        default="raw",
+        help="the --http benchmark's client: raw (a minimal SSE reader; default) or httpx",
+    )
+    b.add_argument(
         "--serving",
         action="store_true",
         help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
@@ -399,7 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from strata_rs.bench.http import print_http, run_http
 
                 result["http"] = asyncio.run(
-                    run_http(str(args.model), args.device, args.threads, rounds=args.rounds)
+                    run_http(
+                        str(args.model),
+                        args.device,
+                        args.threads,
+                        rounds=args.rounds,
+                        client_kind=args.http_client,
+                    )
                 )
                 print()
                 print_http(result["http"])

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -171,4 +172,14 @@ def serve(
             "listening on %s without --api-key: anyone who can reach it can use it", host
         )
     app = create_app(load, settings)
-    return asyncio.run(serve_app(app, host, port, grace_seconds, log_level))
+    return _run(serve_app(app, host, port, grace_seconds, log_level))
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Runs the server's event loop: uvloop's when installed (it spends less CPU per event, and
+    on a small machine that CPU comes out of the forward pass), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
