@@ -35,6 +35,10 @@ def test_30_seconds_of_load_with_faults_keep_every_promise() -> None:
     assert len(injected) >= 4, injected
     assert s["refusals"]["ram"] >= injected.get("ram_gate", 0) > 0
     assert s["failed_moves"] >= sum(n for k, n in injected.items() if k != "ram_gate")
+    # While the folder was read-only, writes failed beyond the injected ones, each counted.
+    failed_writes = sum(n for move, n in s["moves"].items() if "->disk failed" in move)
+    if report.read_only is not None:
+        assert failed_writes > injected.get("write", 0), s["moves"]
     # The truncated files were found bad when read, deleted and recomputed.
     assert report.truncated_files > 0 and s["corrupt_files"] > 0
     assert s["running"] == s["waiting"] == s["kv_blocks_used"] == 0

@@ -471,13 +471,14 @@ def tiny_model(folder: Path) -> Path:
 
 
 def serve_flags(model: Path, kv_dir: Path, max_batch: int, max_waiting: int) -> list[str]:
-    # A device pool of ~2 long conversations and a small host tier: turns keep moving between
-    # the tiers. Floor 0: on any machine the RAM gate admits unless a fault says otherwise.
+    # A device pool of ~2 long conversations, a host tier of ~10 and a disk tier of ~20 (the
+    # pool of prompts is ~40 conversations' worth): turns keep moving between the tiers, and the
+    # disk keeps writing. Floor 0: the RAM gate admits unless a fault says otherwise.
     return [
         "--model", str(model), "--max-context", "1024", "--kv-memory-mib", "1",
         "--max-batch", str(max_batch), "--max-waiting", str(max_waiting),
         "--host-cache-mib", "2", "--host-min-free-mib", "0",
-        "--disk-cache-dir", str(kv_dir), "--disk-cache-mib", "64", "--disk-cache-days", "0",
+        "--disk-cache-dir", str(kv_dir), "--disk-cache-mib", "4", "--disk-cache-days", "0",
         "--threads", "2",
     ]  # fmt: skip
 
