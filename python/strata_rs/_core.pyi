@@ -38,6 +38,10 @@ class CudaDevice(TypedDict):
 def cuda_devices() -> list[CudaDevice]:
     """The GPUs the CUDA driver reports; ``[]`` when there is no driver."""
 
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
+    objects, each with a known role and text content); raises InvalidRequest naming the message."""
+
 class Tokenizer:
     @staticmethod
     def from_dir(path: str | PathLike[str]) -> Tokenizer:
