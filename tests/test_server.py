@@ -427,6 +427,21 @@ INVALID: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
         None,
     ),
     (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p", None),
+    # Checked as sent, not after rounding to the engine's 32-bit float (which gives 1.0).
+    (
+        CHAT,
+        {"messages": MSG, "top_p": 1.0000000000000002},
+        "top_p: must be in (0, 1], got 1.0000000000000002",
+        "top_p",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "temperature": 1e39},
+        "temperature: must be at most 3.4028235e38 (a 32-bit float), got 1e39",
+        "temperature",
+        None,
+    ),
     (CHAT, {"messages": MSG, "top_k": -3}, "top_k: must be >= 0, got -3", "top_k", None),
     (CHAT, {"messages": MSG, "min_p": 2}, "min_p: must be in [0, 1], got 2", "min_p", None),
     (
@@ -464,6 +479,21 @@ INVALID: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
         {"messages": MSG, "max_completion_tokens": 1.5},
         "max_completion_tokens: must be an integer, got float",
         "max_completion_tokens",
+        None,
+    ),
+    # Two names of one limit: the one the engine would not see is not silently dropped.
+    (
+        CHAT,
+        {"messages": MSG, "max_tokens": 0, "max_completion_tokens": 5},
+        "max_tokens: differs from max_completion_tokens, its newer name",
+        "max_tokens",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "max_tokens": 5, "max_completion_tokens": 6},
+        "max_tokens: differs from max_completion_tokens, its newer name",
+        "max_tokens",
         None,
     ),
     (
@@ -614,6 +644,11 @@ async def test_invalid_requests_get_400_with_the_field(model_dir: MakeModel) -> 
                     "enclosed in double quotes: line 1 column 2 (char 1))",
                 ),
                 (b"[1, 2]", "the request body must be a JSON object"),
+                # json.loads' RecursionError was a 500.
+                (
+                    b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                    "the request body is nested too deeply",
+                ),
                 (
                     b'{"a": "\xc3\x28"}',
                     "the request body is not valid JSON ('utf-8' codec can't decode "
@@ -627,6 +662,131 @@ async def test_invalid_requests_get_400_with_the_field(model_dir: MakeModel) -> 
             r = await client.post(CHAT, json={**body, "top_p": None, "stop": None, "user": None})
             assert r.json()["choices"][0]["message"]["content"] == ref.text
             assert engine.stats()["requests_finished"] == 1
+            # Both names of the limit, equal: accepted.
+            r = await client.post(CHAT, json={**body, "max_completion_tokens": 5})
+            assert r.json()["choices"][0]["message"]["content"] == ref.text
+            assert r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        await engine.close()
+
+
+async def test_unpaired_surrogates_get_400_not_500(model_dir: MakeModel) -> None:
+    """JSON may escape a lone UTF-16 surrogate; it is no Unicode text, and once reached the engine
+    (or an error message echoing it) it was a 500."""
+    engine = await Engine.load(model_dir("llama"))
+    lone = "must be valid Unicode text, got the unpaired surrogate"
+    try:
+        async with asgi_client(engine) as client:
+            for path, raw, message, param in [
+                (
+                    CHAT,
+                    b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+                    f"messages[0].content: {lone} \\ud800",
+                    "messages[0].content",
+                ),
+                (COMPLETIONS, b'{"prompt": "\\uDFFF"}', f"prompt: {lone} \\udfff", "prompt"),
+                (
+                    COMPLETIONS,
+                    b'{"prompt": "hi", "stop": ["x", "\\ud83d"]}',
+                    f"stop[1]: {lone} \\ud83d",
+                    "stop[1]",
+                ),
+                (
+                    COMPLETIONS,
+                    b'{"prompt": "hi", "model": "\\udc00"}',
+                    f"model: {lone} \\udc00",
+                    "model",
+                ),
+                (
+                    COMPLETIONS,
+                    b'{"prompt": "hi", "x\\ud800": 1}',
+                    "a key holds the unpaired surrogate \\ud800; it must be valid Unicode",
+                    None,
+                ),
+                ("/tokenize", b'{"prompt": "\\ud800"}', f"prompt: {lone} \\ud800", "prompt"),
+            ]:
+                r = await client.post(path, content=raw)
+                assert (r.status_code, r.json()) == (400, _err(message, param)), raw
+            # A pair is one character (an emoji), not two halves.
+            r = await client.post("/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}')
+            assert r.status_code == 200
+            assert r.json()["tokens"] == engine.tokenizer.encode("\U0001f600")
+            assert engine.stats()["requests_finished"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_tokenize_refuses_what_chat_refuses(model_dir: MakeModel) -> None:
+    engine = await Engine.load(model_dir("llama"))
+    roles = "system, developer, user, assistant, tool"
+    reserved = "cannot be set as an extra template variable"
+    try:
+        async with asgi_client(engine) as client:
+            for body, message, param in [
+                (
+                    {"messages": [{"role": "wizard", "content": "hi"}]},
+                    f'messages[0].role: unknown role "wizard" (expected one of {roles})',
+                    "messages[0].role",
+                ),
+                (
+                    {"messages": [{"role": "user", "content": None}]},
+                    "messages[0].content: must be a string or a list of content parts",
+                    "messages[0].content",
+                ),
+                # A keyword argument of the template call: a TypeError (500) before.
+                (
+                    {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}},
+                    f'chat_template_kwargs: "add_generation_prompt" {reserved}',
+                    "chat_template_kwargs",
+                ),
+                (
+                    {"messages": MSG, "chat_template_kwargs": {"messages": []}},
+                    f'chat_template_kwargs: "messages" {reserved}',
+                    "chat_template_kwargs",
+                ),
+            ]:
+                for path in ("/tokenize", CHAT):
+                    r = await client.post(path, json=body)
+                    assert (r.status_code, r.json()) == (400, _err(message, param)), (path, body)
+            # Checked with a prompt too, not only on the messages path.
+            for body, message, param in [
+                (
+                    {"prompt": "hi", "add_generation_prompt": {}},
+                    "add_generation_prompt: must be a boolean, got object",
+                    "add_generation_prompt",
+                ),
+                (
+                    {"prompt": "hi", "chat_template_kwargs": 3},
+                    "chat_template_kwargs: must be an object, got integer",
+                    "chat_template_kwargs",
+                ),
+            ]:
+                r = await client.post("/tokenize", json=body)
+                assert (r.status_code, r.json()) == (400, _err(message, param)), body
+            assert engine.stats()["requests_finished"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_more_prompts_than_the_queue_holds_get_400_not_503(model_dir: MakeModel) -> None:
+    """Every prompt of a completions request is queued at once: more than --max-waiting could
+    never be admitted, so "retry later" (503) would be a lie."""
+    engine = await Engine.load(model_dir("llama"), max_waiting=3)
+    try:
+        async with asgi_client(engine) as client:
+            body = {"prompt": ["a", "b", "c", "d"], "max_tokens": 1}
+            r = await client.post(COMPLETIONS, json=body)
+            assert (r.status_code, r.json()) == (
+                400,
+                _err(
+                    "prompt: 4 prompts are more than the server queues at once (max_waiting 3)",
+                    "prompt",
+                ),
+            )
+            assert engine.stats()["requests_refused"] == 0
+            r = await client.post(COMPLETIONS, json={**body, "prompt": ["a", "b", "c"]})
+            assert r.status_code == 200
+            assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
     finally:
         await engine.close()
 

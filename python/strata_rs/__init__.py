@@ -21,6 +21,7 @@ from strata_rs._core import (
     Usage,
     __version__,
     cuda_devices,
+    validate_messages,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "Usage",
     "__version__",
     "cuda_devices",
+    "validate_messages",
 ]

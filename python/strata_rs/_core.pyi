@@ -38,6 +38,10 @@ class CudaDevice(TypedDict):
 def cuda_devices() -> list[CudaDevice]:
     """The GPUs the CUDA driver reports; ``[]`` when there is no driver."""
 
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
+    objects, each with a known role and text content); raises InvalidRequest naming the message."""
+
 class Tokenizer:
     @staticmethod
     def from_dir(path: str | PathLike[str]) -> Tokenizer:
@@ -271,9 +275,7 @@ class CacheStatsDict(TypedDict):
     """Disk files found bad (startup scan or a read) and deleted."""
     adopted_files: int
     """Disk files of this model adopted by the startup scan."""
-    faults_injected: dict[
-        Literal["alloc", "copy_out", "copy_in", "write", "read", "ram_gate"], int
-    ]
+    faults_injected: dict[Literal["alloc", "copy_out", "copy_in", "write", "read", "ram_gate"], int]
     """Faults injected by `cache_faults`, per kind; only kinds that fired appear."""
     last_restore: CacheRestore | None
 

@@ -66,58 +66,18 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Checks every field against its range; the error names the field and the reason.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
-        fn finite(field: &str, v: f32) -> Result<()> {
-            if v.is_finite() {
-                Ok(())
-            } else {
-                Err(StrataError::invalid(
-                    field,
-                    format!("must be a finite number, got {v}"),
-                ))
-            }
-        }
         if self.max_tokens == Some(0) {
             return Err(StrataError::invalid("max_tokens", "must be at least 1"));
         }
-        finite("temperature", self.temperature)?;
-        if self.temperature < 0.0 {
-            return Err(StrataError::invalid(
-                "temperature",
-                format!("must be >= 0, got {}", self.temperature),
-            ));
-        }
-        finite("top_p", self.top_p)?;
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(StrataError::invalid(
-                "top_p",
-                format!("must be in (0, 1], got {}", self.top_p),
-            ));
-        }
-        finite("min_p", self.min_p)?;
-        if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(StrataError::invalid(
-                "min_p",
-                format!("must be in [0, 1], got {}", self.min_p),
-            ));
-        }
-        finite("repetition_penalty", self.repetition_penalty)?;
-        if self.repetition_penalty <= 0.0 {
-            return Err(StrataError::invalid(
-                "repetition_penalty",
-                format!("must be > 0, got {}", self.repetition_penalty),
-            ));
-        }
         for (field, v) in [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
-            finite(field, v)?;
-            if !(-2.0..=2.0).contains(&v) {
-                return Err(StrataError::invalid(
-                    field,
-                    format!("must be in [-2, 2], got {v}"),
-                ));
-            }
+            check_float(field, f64::from(v), v)?;
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return Err(StrataError::invalid(
@@ -150,6 +110,44 @@ impl SamplingParams {
             ));
         }
         Ok(())
+    }
+}
+
+/// Checks a float sampling parameter against its range: `v` is compared, `shown` is what the
+/// error prints. The Python binding checks the number the caller sent (an f64) before rounding it
+/// to f32, so that 1.0000000000000002 is over top_p's 1 although it rounds to 1.0; `validate`
+/// checks the f32.
+pub fn check_float(field: &str, v: f64, shown: impl std::fmt::Display) -> Result<()> {
+    if !v.is_finite() {
+        return Err(StrataError::invalid(
+            field,
+            format!("must be a finite number, got {shown}"),
+        ));
+    }
+    let (ok, range) = match field {
+        "temperature" => (v >= 0.0, "must be >= 0"),
+        "top_p" => (v > 0.0 && v <= 1.0, "must be in (0, 1]"),
+        "min_p" => ((0.0..=1.0).contains(&v), "must be in [0, 1]"),
+        "repetition_penalty" => (v > 0.0, "must be > 0"),
+        "presence_penalty" | "frequency_penalty" => {
+            ((-2.0..=2.0).contains(&v), "must be in [-2, 2]")
+        }
+        _ => (true, ""),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(StrataError::invalid(field, format!("{range}, got {shown}")))
+    }
+}
+
+/// A number for an error message: exponent notation when plain digits would be long
+/// (`1e300`, `-1e-50`), else as Display writes it (`1.5`, `-1`).
+pub fn float_text(v: f64) -> String {
+    if v != 0.0 && v.is_finite() && !(1e-5..1e16).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        v.to_string()
     }
 }
 
@@ -326,6 +324,40 @@ mod tests {
         assert_eq!(
             check(serde_json::json!(["hi"])).unwrap_err(),
             "messages[0]: must be an object with role and content"
+        );
+    }
+
+    #[test]
+    fn float_ranges_are_checked_before_rounding_to_f32() {
+        let check =
+            |field: &str, v: f64| check_float(field, v, float_text(v)).map_err(|e| e.to_string());
+        // 1.0000000000000002 rounds to 1.0f32, inside top_p's range; the number sent is not.
+        assert_eq!(1.000_000_000_000_000_2_f64 as f32, 1.0);
+        assert_eq!(
+            check("top_p", 1.000_000_000_000_000_2).unwrap_err(),
+            "top_p: must be in (0, 1], got 1.0000000000000002"
+        );
+        assert_eq!(
+            check("temperature", -1e-50).unwrap_err(),
+            "temperature: must be >= 0, got -1e-50"
+        );
+        assert_eq!(
+            check("presence_penalty", 2.000_000_000_000_000_4).unwrap_err(),
+            "presence_penalty: must be in [-2, 2], got 2.0000000000000004"
+        );
+        check("top_p", 1.0).unwrap();
+        check("min_p", 0.0).unwrap();
+        check("repetition_penalty", 1e-50).unwrap();
+        check("frequency_penalty", -2.0).unwrap();
+        assert_eq!(
+            check("temperature", -1e300).unwrap_err(),
+            "temperature: must be >= 0, got -1e300"
+        );
+        assert_eq!(float_text(-1.0), "-1");
+        assert_eq!(float_text(0.25), "0.25");
+        assert_eq!(
+            check("min_p", f64::NAN).unwrap_err(),
+            "min_p: must be a finite number, got NaN"
         );
     }
 

@@ -29,6 +29,14 @@ fn cuda_devices(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
         .collect()
 }
 
+/// Checks chat messages as `Engine.chat` does before rendering them (a non-empty list of objects,
+/// each with a known role and text content); raises InvalidRequest naming the message at fault.
+#[pyfunction]
+fn validate_messages(messages: &Bound<'_, PyAny>) -> PyResult<()> {
+    let messages = json::py_to_json(messages, "messages")?;
+    crate::engine::request::validate_messages(&messages).map_err(errors::to_pyerr)
+}
+
 #[pymodule]
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -44,6 +52,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PyChoice>()?;
     m.add_class::<output::PyUsage>()?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_messages, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::to_pyerr;
-use crate::engine::request::SamplingParams;
+use crate::engine::request::{check_float, float_text, SamplingParams};
 use crate::error::StrataError;
 
 #[pyclass(name = "SamplingParams", module = "strata_rs", frozen)]
@@ -34,6 +34,19 @@ fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
         ));
     }
     let x: f64 = v.extract()?;
+    // The range is checked on the number sent, before rounding to f32 (which could carry it over a
+    // bound); a number too large for an f32 is refused rather than rounded to f32::MAX or inf.
+    check_float(field, x, float_text(x)).map_err(to_pyerr)?;
+    if x.abs() > f64::from(f32::MAX) {
+        return Err(bad(
+            field,
+            format!(
+                "must be at most {:e} (a 32-bit float), got {}",
+                f32::MAX,
+                float_text(x)
+            ),
+        ));
+    }
     Ok(x as f32)
 }
 

@@ -29,10 +29,18 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from strata_rs import Engine, InvalidRequest, StrataError, StreamChunk, TokenStream
+from strata_rs import (
+    Engine,
+    InvalidRequest,
+    StrataError,
+    StreamChunk,
+    TokenStream,
+    validate_messages,
+)
 from strata_rs.server import openai
 from strata_rs.server.metrics import CACHE_GATES, CONTENT_TYPE, TIERS, ServerMetrics
 from strata_rs.server.openai import ApiError, ChoiceResult, GenerationRequest
+from strata_rs.server.openapi import openapi_schema
 
 logger = logging.getLogger("strata_rs.server")
 
@@ -201,6 +209,15 @@ def _log_error(state: ServerState, endpoint: str, e: ApiError) -> None:
 
 
 def _open_streams(engine: Engine, req: GenerationRequest, retry_after: int) -> list[TokenStream]:
+    # Each prompt is a request in the engine's queue, all submitted at once: more than the queue
+    # holds could never be admitted, so that is the client's error (400), not "retry later" (503).
+    max_waiting = engine.info["max_waiting"]
+    if len(req.prompts) > max_waiting:
+        raise openai.invalid(
+            "prompt",
+            f"{len(req.prompts)} prompts are more than the server queues at once "
+            f"(max_waiting {max_waiting})",
+        )
     streams: list[TokenStream] = []
     try:
         if req.kind == "chat":
@@ -556,18 +573,10 @@ def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
 async def tokenize(request: Request, state: ServerState) -> Response:
     engine = state.require_engine()
     body = await _json_body(request, state)
-    _check_known(
-        body,
-        (
-            "model",
-            "prompt",
-            "messages",
-            "add_special_tokens",
-            "add_generation_prompt",
-            "chat_template_kwargs",
-        ),
-    )
+    _check_known(body, openai.TOKENIZE_FIELDS)
     openai.check_model(body, state.model_name)
+    # Checked whichever of prompt and messages is sent, as the schema says.
+    openai.template_options(body)
     tok = engine.tokenizer
     prompt = body.get("prompt")
     messages = body.get("messages")
@@ -590,6 +599,9 @@ async def tokenize(request: Request, state: ServerState) -> Response:
                 state.model_name,
             )
             assert chat.messages is not None
+            # The checks Engine.chat makes (roles, content), which the template does not: the
+            # messages chat refuses, /tokenize refuses too.
+            validate_messages(chat.messages)
             rendered = tok.apply_chat_template(
                 chat.messages,
                 add_generation_prompt=chat.engine_kwargs["add_generation_prompt"],
@@ -606,7 +618,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 async def detokenize(request: Request, state: ServerState) -> Response:
     engine = state.require_engine()
     body = await _json_body(request, state)
-    _check_known(body, ("model", "tokens", "skip_special_tokens"))
+    _check_known(body, openai.DETOKENIZE_FIELDS)
     openai.check_model(body, state.model_name)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
@@ -679,6 +691,14 @@ async def health(request: Request, state: ServerState) -> Response:
 @_simple("metrics")
 async def metrics(request: Request, state: ServerState) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@_simple("openapi")
+async def openapi_json(request: Request, state: ServerState) -> Response:
+    # Built per call: the model-dependent bounds (vocabulary, context) appear once it has loaded.
+    info = state.engine.info if state.engine is not None else None
+    schema = openapi_schema(state.model_name, api_key=bool(state.settings.api_key), info=info)
+    return _json(schema)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -776,6 +796,7 @@ def create_app(engine: EngineSource, settings: Settings | None = None) -> Starle
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -85,6 +86,17 @@ _CHAT_FIELDS = frozenset(
     )
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
+# /tokenize and /detokenize (vLLM's): their fields, all of them.
+TOKENIZE_FIELDS = (
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+)
+DETOKENIZE_FIELDS = ("model", "tokens", "skip_special_tokens")
+
 # Every field name a request may carry (generation, /tokenize, /detokenize): the only `param`
 # values the log may show, since an unrecognized field's name is text the client wrote.
 _KNOWN_PARAMS = frozenset(
@@ -93,10 +105,8 @@ _KNOWN_PARAMS = frozenset(
         *_COMPLETION_FIELDS,
         *_IGNORED,
         *_UNSUPPORTED,
-        "max_tokens",
-        "tokens",
-        "add_special_tokens",
-        "prompt",
+        *TOKENIZE_FIELDS,
+        *DETOKENIZE_FIELDS,
     )
 )
 
@@ -108,8 +118,14 @@ def loggable_param(param: str | None) -> str | None:
     head = param.split("[", 1)[0].split(".", 1)[0]
     return param if head in _KNOWN_PARAMS else "(unrecognized field)"
 
+
 # OpenAI's default for /v1/completions; chat has no default (until EOS or the context's end).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Most alternatives per token (chat's top_logprobs, completions' logprobs): OpenAI's limit, and the
+# engine's MAX_LOGPROBS (rust/engine/request.rs).
+MAX_LOGPROBS = 20
+# Template variables the chat template sets itself; chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt")
 
 
 class ApiError(Exception):
@@ -178,13 +194,58 @@ def engine_error(
     return unavailable(message, "engine_stopped")
 
 
+# A `\\uD800`-`\\uDFFF` escape: the only way a JSON text can carry a UTF-16 surrogate (raw
+# surrogate bytes are invalid UTF-8 and fail to decode).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any) -> tuple[str | None, str] | None:
+    """Where in `value` a string holds an unpaired surrogate: (path, reason), else None. A loop,
+    not a recursion: the body may be nested as deep as json.loads allows."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            m = _SURROGATE.search(v)
+            if m is not None:
+                char = f"\\u{ord(m.group()):04x}"
+                return (
+                    path or None,
+                    f"must be valid Unicode text, got the unpaired surrogate {char}",
+                )
+        elif isinstance(v, dict):
+            for key in v:
+                m = _SURROGATE.search(key)
+                if m is not None:
+                    char = f"\\u{ord(m.group()):04x}"
+                    reason = f"a key holds the unpaired surrogate {char}; it must be valid Unicode"
+                    return path or None, reason
+            # Reversed onto the stack: the first field is looked at first.
+            todo.extend((f"{path}.{k}" if path else k, x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
     try:
         value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise invalid(None, f"the request body is not valid JSON ({e})") from None
+    except RecursionError:
+        # json.loads recurses once per nesting level; Python's stack limit ends it.
+        raise invalid(None, "the request body is nested too deeply") from None
     if not isinstance(value, dict):
         raise invalid(None, "the request body must be a JSON object")
+    # json.loads keeps an unpaired surrogate escape as a lone surrogate, which is no Unicode text:
+    # the engine (Rust strings) and the UTF-8 answer could not carry it. Walked only when the raw
+    # body has such an escape (paired ones, as emoji, pass the walk).
+    if _SURROGATE_ESCAPE.search(body):
+        found = _lone_surrogate(value)
+        if found is not None:
+            where, reason = found
+            raise invalid(where, reason)
     return value
 
 
@@ -329,11 +390,14 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
     req.renames["prompt"] = "messages"  # the engine's prompt is the rendered messages
 
     kwargs = req.engine_kwargs
-    max_tokens = body.get("max_completion_tokens")
-    if max_tokens is not None:
+    max_tokens = body.get("max_tokens")
+    newer = body.get("max_completion_tokens")
+    if newer is not None:
+        # One limit under two names: a max_tokens that disagrees would otherwise go unchecked.
+        if max_tokens is not None and not (type(max_tokens) is type(newer) and max_tokens == newer):
+            raise invalid("max_tokens", "differs from max_completion_tokens, its newer name")
+        max_tokens = newer
         req.renames["max_tokens"] = "max_completion_tokens"
-    else:
-        max_tokens = body.get("max_tokens")
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
 
@@ -342,8 +406,8 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
     if top is not None:
         if not isinstance(top, int) or isinstance(top, bool):
             raise invalid("top_logprobs", f"must be an integer, got {_type_name(top)}")
-        if not 0 <= top <= 20:
-            raise invalid("top_logprobs", f"must be in [0, 20], got {top}")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         if not logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
     if logprobs:
@@ -351,15 +415,31 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
         req.logprobs = top or 0
         req.renames["logprobs"] = "top_logprobs"
 
-    template_kwargs = body.get("chat_template_kwargs")
+    add_generation_prompt, template_kwargs = template_options(body)
     if template_kwargs is not None:
-        if not isinstance(template_kwargs, dict):
-            raise invalid(
-                "chat_template_kwargs", f"must be an object, got {_type_name(template_kwargs)}"
-            )
         kwargs["chat_template_kwargs"] = template_kwargs
-    kwargs["add_generation_prompt"] = _bool(body, "add_generation_prompt", True)
+    kwargs["add_generation_prompt"] = add_generation_prompt
     return req
+
+
+def template_options(body: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+    """add_generation_prompt (default true) and chat_template_kwargs, checked."""
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is None:
+        return add_generation_prompt, None
+    if not isinstance(template_kwargs, dict):
+        raise invalid(
+            "chat_template_kwargs", f"must be an object, got {_type_name(template_kwargs)}"
+        )
+    # Checked here, not left to the engine: /tokenize passes these as keyword arguments, where a
+    # reserved name would be a TypeError.
+    for name in RESERVED_TEMPLATE_VARIABLES:
+        if name in template_kwargs:
+            raise invalid(
+                "chat_template_kwargs", f'"{name}" cannot be set as an extra template variable'
+            )
+    return add_generation_prompt, template_kwargs
 
 
 def _is_ids(value: Any) -> bool:
@@ -394,8 +474,8 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
     if logprobs is not None:
         if not isinstance(logprobs, int) or isinstance(logprobs, bool):
             raise invalid("logprobs", f"must be an integer, got {_type_name(logprobs)}")
-        if not 0 <= logprobs <= 20:
-            raise invalid("logprobs", f"must be in [0, 20], got {logprobs}")
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         kwargs["logprobs"] = logprobs
         req.logprobs = logprobs
     return req
