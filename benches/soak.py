@@ -14,32 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-from strata_rs.testing.soak import LoadOptions, run_crashes, run_load
+from strata_rs.testing.soak import LoadOptions, SoakReport, run_crashes, run_load
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--seconds", type=float, default=300.0, help="load after warm-up (default 300)")
-    p.add_argument("--warmup", type=float, default=30.0, help="warm-up before the RSS baseline")
-    p.add_argument("--clients", type=int, default=64)
-    p.add_argument("--no-faults", action="store_true", help="load only, no injected faults")
-    p.add_argument("--kills", type=int, default=20, help="SIGKILL cycles (0: none)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", type=Path, default=None, help="default: the tiny test model")
-    p.add_argument("--json", type=Path, default=None, help="also write the reports here")
-    args = p.parse_args()
-
-    t0 = time.monotonic()
-    opts = LoadOptions(
-        seconds=args.seconds,
-        warmup=args.warmup,
-        clients=args.clients,
-        faults=not args.no_faults,
-        seed=args.seed,
-    )
-    load = run_load(opts, model=args.model)
+def print_load(load: SoakReport, seed: int) -> None:
     s = load.server
-    print(f"load: {load.seconds:.0f} s, {load.clients} clients, seed {args.seed}")
+    print(f"load: {load.seconds:.0f} s, {load.clients} clients, seed {seed}")
     print(
         f"  requests: {load.accepted} accepted ({load.completed} answered, all checked; "
         f"{load.cancelled} cancelled, {load.disconnected} dropped), {load.rejected} refused "
@@ -60,6 +40,32 @@ def main() -> int:
     for e in load.events:
         print(f"  {e}")
 
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seconds", type=float, default=300.0, help="load after warm-up (default 300)")
+    p.add_argument("--warmup", type=float, default=30.0, help="warm-up before the RSS baseline")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--no-faults", action="store_true", help="load only, no injected faults")
+    p.add_argument("--kills", type=int, default=20, help="SIGKILL cycles (0: none)")
+    p.add_argument("--no-load", action="store_true", help="the SIGKILL cycles only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", type=Path, default=None, help="default: the tiny test model")
+    p.add_argument("--json", type=Path, default=None, help="also write the reports here")
+    args = p.parse_args()
+
+    t0 = time.monotonic()
+    opts = LoadOptions(
+        seconds=args.seconds,
+        warmup=args.warmup,
+        clients=args.clients,
+        faults=not args.no_faults,
+        seed=args.seed,
+    )
+    load = None if args.no_load else run_load(opts, model=args.model)
+    if load is not None:
+        print_load(load, args.seed)
+
     crashes = None
     if args.kills:
         crashes = run_crashes(cycles=args.kills, seed=args.seed, model=args.model)
@@ -75,10 +81,14 @@ def main() -> int:
         mid = sum(1 for c in kills if c["temp_after"])
         print(f"  kills that left a half-written temp file: {mid} of {len(kills)}")
 
-    problems = load.problems() + (crashes.problems() if crashes else [])
+    problems = (load.problems() if load else []) + (crashes.problems() if crashes else [])
     print(f"problems: {problems or 'none'} ({time.monotonic() - t0:.0f} s)")
     if args.json:
-        out = {"load": load.as_dict(), "crashes": crashes and crashes.cycles, "problems": problems}
+        out = {
+            "load": load and load.as_dict(),
+            "crashes": crashes and crashes.cycles,
+            "problems": problems,
+        }
         args.json.write_text(json.dumps(out, indent=1, default=str))
     return 1 if problems else 0
 

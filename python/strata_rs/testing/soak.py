@@ -612,6 +612,8 @@ def run_crashes(
         kv_dir = work / "kv"
         flags = serve_flags(model, kv_dir, max_batch=4, max_waiting=64)
         flags[flags.index("--host-cache-mib") + 1] = "0"
+        # Room for every cycle's conversations: a restart finds all that was written.
+        flags[flags.index("--disk-cache-mib") + 1] = "64"
         flags[flags.index("--disk-cache-days") + 1] = "1"
         for cycle in range(cycles + 1):
             last = cycle == cycles
