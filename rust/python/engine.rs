@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 
+use super::args::{self, bad, text, type_name, Flag};
 use super::awaitable::spawn_awaitable;
 use super::errors::to_pyerr;
 use super::json::py_to_json;
 use super::output::completion;
-use super::sampling_params::{resolve, PySamplingParams};
+use super::sampling_params::resolve;
 use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
 use crate::bench::BenchSpec;
@@ -43,20 +44,6 @@ fn stopped_error() -> StrataError {
     StrataError::EngineStopped("the engine thread stopped before answering".into())
 }
 
-/// Token ids from Python ints, each checked to be a non-negative 32-bit id.
-fn token_ids(ids: Vec<i64>) -> PyResult<Vec<u32>> {
-    ids.iter()
-        .map(|&t| {
-            u32::try_from(t).map_err(|_| {
-                to_pyerr(StrataError::invalid(
-                    "token_ids",
-                    format!("token id {t} is not a valid id"),
-                ))
-            })
-        })
-        .collect()
-}
-
 fn usize_arg(value: Option<i64>, field: &str) -> PyResult<Option<usize>> {
     value
         .map(|v| {
@@ -68,6 +55,21 @@ fn usize_arg(value: Option<i64>, field: &str) -> PyResult<Option<usize>> {
             })
         })
         .transpose()
+}
+
+/// An error about the prompt (the core's "prompt", the tokenizer's "text"), renamed after the
+/// argument it came from.
+fn rename_prompt(e: StrataError, field: &str) -> StrataError {
+    match e {
+        StrataError::InvalidRequest { field: f, reason } if f == "prompt" || f == "text" => {
+            StrataError::invalid(field, reason)
+        }
+        StrataError::ContextOverflow(m) => match m.strip_prefix("prompt: ") {
+            Some(rest) => StrataError::ContextOverflow(format!("{field}: {rest}")),
+            None => StrataError::ContextOverflow(m),
+        },
+        other => other,
+    }
 }
 
 /// Cancels a request when the future that collects it is dropped.
@@ -202,23 +204,14 @@ impl PyEngine {
     /// Token ids of a prompt given as text (encoded with special tokens) or as ids.
     fn prompt_ids(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         if let Ok(s) = prompt.cast::<PyString>() {
-            let text = s.to_str()?.to_owned();
+            let text = text("prompt", s)?;
             let tok = self.tokenizer_arc();
-            return py.detach(|| tok.encode(&text, true)).map_err(to_pyerr);
+            return py
+                .detach(|| tok.encode(&text, true))
+                .map_err(|e| to_pyerr(rename_prompt(e, "prompt")));
         }
         if prompt.is_instance_of::<PyList>() || prompt.is_instance_of::<PyTuple>() {
-            let ids: Vec<i64> = prompt.extract().map_err(|_| {
-                to_pyerr(StrataError::invalid(
-                    "prompt",
-                    "a list prompt must hold integer token ids",
-                ))
-            })?;
-            return token_ids(ids).map_err(|_| {
-                to_pyerr(StrataError::invalid(
-                    "prompt",
-                    "token ids must be in 0..2**32",
-                ))
-            });
+            return args::token_ids("prompt", prompt);
         }
         Err(to_pyerr(StrataError::invalid(
             "prompt",
@@ -226,14 +219,18 @@ impl PyEngine {
         )))
     }
 
+    /// Queues a request. `field` is the caller's argument the ids came from: the core's errors
+    /// about the prompt name "prompt", which for chat is the rendered `messages`.
     fn submit(
         &self,
         py: Python<'_>,
         ids: Vec<u32>,
         params: SamplingParams,
+        field: &str,
     ) -> PyResult<Submission> {
         let engine = lock(&self.engine);
-        py.detach(|| engine.submit(ids, params)).map_err(to_pyerr)
+        py.detach(|| engine.submit(ids, params))
+            .map_err(|e| to_pyerr(rename_prompt(e, field)))
     }
 
     fn stream(
@@ -241,9 +238,10 @@ impl PyEngine {
         py: Python<'_>,
         ids: Vec<u32>,
         params: SamplingParams,
+        field: &str,
     ) -> PyResult<PyTokenStream> {
         let want_logprobs = params.logprobs.is_some();
-        let sub = self.submit(py, ids, params)?;
+        let sub = self.submit(py, ids, params, field)?;
         Ok(PyTokenStream::new(
             sub.events,
             sub.cancel,
@@ -325,30 +323,39 @@ impl PyEngine {
         &self,
         py: Python<'_>,
         prompt: &Bound<'_, PyAny>,
-        params: Option<PyRef<'_, PySamplingParams>>,
+        params: Option<&Bound<'_, PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
-        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let params = resolve(params, kwargs, self.vocab_size())?;
         let ids = self.prompt_ids(py, prompt)?;
-        self.stream(py, ids, params)
+        self.stream(py, ids, params, "prompt")
     }
 
     /// Streams the assistant's answer to `messages`, rendered with the model's chat template.
-    #[pyo3(signature = (messages, params = None, *, add_generation_prompt = true, chat_template_kwargs = None, **kwargs))]
+    #[pyo3(signature = (messages, params = None, *, add_generation_prompt = Flag::Value(true), chat_template_kwargs = None, **kwargs))]
     fn chat(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
-        params: Option<PyRef<'_, PySamplingParams>>,
-        add_generation_prompt: bool,
-        chat_template_kwargs: Option<&Bound<'_, PyDict>>,
+        params: Option<&Bound<'_, PyAny>>,
+        add_generation_prompt: Flag,
+        chat_template_kwargs: Option<&Bound<'_, PyAny>>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
-        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let params = resolve(params, kwargs, self.vocab_size())?;
+        let add_generation_prompt = add_generation_prompt.get("add_generation_prompt")?;
+        // Taken as any object so that a wrong type is an InvalidRequest naming the argument.
+        let extra = match chat_template_kwargs.filter(|k| !k.is_none()) {
+            None => None,
+            Some(k) if k.is_instance_of::<PyDict>() => Some(py_to_json(k, "chat_template_kwargs")?),
+            Some(k) => {
+                return Err(bad(
+                    "chat_template_kwargs",
+                    format!("must be a dict or None, got {}", type_name(k)),
+                ))
+            }
+        };
         let messages = py_to_json(messages, "messages")?;
-        let extra = chat_template_kwargs
-            .map(|k| py_to_json(k.as_any(), "chat_template_kwargs"))
-            .transpose()?;
         let tok = self.tokenizer_arc();
         let ids = py
             .detach(|| -> Result<Vec<u32>, StrataError> {
@@ -358,8 +365,8 @@ impl PyEngine {
                 // The template writes the special tokens itself.
                 tok.encode(&text, false)
             })
-            .map_err(to_pyerr)?;
-        self.stream(py, ids, params)
+            .map_err(|e| to_pyerr(rename_prompt(e, "messages")))?;
+        self.stream(py, ids, params, "messages")
     }
 
     /// The whole answer to `prompt` at once: an awaitable Completion.
@@ -368,13 +375,13 @@ impl PyEngine {
         &self,
         py: Python<'py>,
         prompt: &Bound<'py, PyAny>,
-        params: Option<PyRef<'py, PySamplingParams>>,
+        params: Option<&Bound<'py, PyAny>>,
         kwargs: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let params = resolve(params.as_deref(), kwargs, self.vocab_size())?;
+        let params = resolve(params, kwargs, self.vocab_size())?;
         let ids = self.prompt_ids(py, prompt)?;
         let (n, want_logprobs) = (params.n, params.logprobs.is_some());
-        let Submission { events, cancel, .. } = self.submit(py, ids, params)?;
+        let Submission { events, cancel, .. } = self.submit(py, ids, params, "prompt")?;
         let tok = self.tokenizer_arc();
         let work = async move {
             // Dropped with this future (the caller's task cancelled): the request is cancelled.
@@ -407,8 +414,12 @@ impl PyEngine {
     }
 
     /// Logits of every position: a float32 numpy array `[len(token_ids), vocab_size]`.
-    fn logits<'py>(&self, py: Python<'py>, token_ids: Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
-        let ids = self::token_ids(token_ids)?;
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = args::token_ids("token_ids", token_ids)?;
         let n = ids.len();
         let (rx, vocab) = {
             let engine = lock(&self.engine);

@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value};
 
+use super::args::text;
 use super::errors::to_pyerr;
 use crate::error::StrataError;
 
@@ -36,17 +37,20 @@ fn convert(obj: &Bound<'_, PyAny>, path: &str, depth: usize) -> PyResult<Value> 
             .ok_or_else(|| to_pyerr(StrataError::invalid(path, "must be a finite number")));
     }
     if let Ok(s) = obj.cast::<PyString>() {
-        return Ok(Value::String(s.to_str()?.to_owned()));
+        return Ok(Value::String(text(path, s)?));
     }
     if let Ok(d) = obj.cast::<PyDict>() {
         let mut map = Map::new();
         for (k, v) in d.iter() {
-            let key: String = k.extract().map_err(|_| {
-                to_pyerr(StrataError::invalid(
-                    path,
-                    "dictionary keys must be strings",
-                ))
-            })?;
+            let key = match k.cast::<PyString>() {
+                Ok(key) => text(path, key)?,
+                Err(_) => {
+                    return Err(to_pyerr(StrataError::invalid(
+                        path,
+                        "dictionary keys must be strings",
+                    )))
+                }
+            };
             let value = convert(&v, &format!("{path}.{key}"), depth + 1)?;
             map.insert(key, value);
         }

@@ -1,5 +1,6 @@
 //! The PyO3 binding layer: translation only, one file per exposed type. Logic lives in the core.
 
+mod args;
 mod awaitable;
 mod engine;
 mod errors;

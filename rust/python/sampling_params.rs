@@ -4,24 +4,14 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
+use super::args::{bad, lossy, text, token_ids, type_name};
 use super::errors::to_pyerr;
 use crate::engine::request::{check_float, float_text, SamplingParams};
-use crate::error::StrataError;
 
 #[pyclass(name = "SamplingParams", module = "strata_rs", frozen)]
 #[derive(Clone)]
 pub struct PySamplingParams {
     pub inner: SamplingParams,
-}
-
-fn bad(field: &str, reason: impl Into<String>) -> PyErr {
-    to_pyerr(StrataError::invalid(field, reason))
-}
-
-fn type_name(v: &Bound<'_, PyAny>) -> String {
-    v.get_type()
-        .name()
-        .map_or_else(|_| "?".into(), |n| n.to_string())
 }
 
 fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
@@ -33,7 +23,10 @@ fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
             format!("must be a number, got {}", type_name(v)),
         ));
     }
-    let x: f64 = v.extract()?;
+    // An int beyond a double's range (10**400) cannot be converted at all.
+    let x: f64 = v
+        .extract()
+        .map_err(|_| bad(field, "is out of range (beyond a 64-bit float)"))?;
     // The range is checked on the number sent, before rounding to f32 (which could carry it over a
     // bound); a number too large for an f32 is refused rather than rounded to f32::MAX or inf.
     check_float(field, x, float_text(x)).map_err(to_pyerr)?;
@@ -43,6 +36,17 @@ fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
             format!(
                 "must be at most {:e} (a 32-bit float), got {}",
                 f32::MAX,
+                float_text(x)
+            ),
+        ));
+    }
+    // A nonzero number that rounds to 0 (|x| <= 2**-150) is refused by name where 0 is out of range
+    // (top_p, repetition_penalty), rather than as "got 0", a number the caller never sent.
+    if x != 0.0 && (x as f32) == 0.0 && check_float(field, 0.0, 0).is_err() {
+        return Err(bad(
+            field,
+            format!(
+                "must be more than 2**-150 (a 32-bit float rounds it to 0), got {}",
                 float_text(x)
             ),
         ));
@@ -73,24 +77,23 @@ fn boolean(field: &str, v: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 fn strings(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     if let Ok(s) = v.cast::<PyString>() {
-        return Ok(vec![s.to_str()?.to_owned()]);
+        return Ok(vec![text(field, s)?]);
     }
     if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
         return v
             .try_iter()?
             .map(|item| {
                 let item = item?;
-                item.cast::<PyString>()
-                    .map_err(|_| {
-                        bad(
-                            field,
-                            format!(
-                                "must be a string or a list of strings, got a {} in the list",
-                                type_name(&item)
-                            ),
-                        )
-                    })
-                    .and_then(|s| Ok(s.to_str()?.to_owned()))
+                let s = item.cast::<PyString>().map_err(|_| {
+                    bad(
+                        field,
+                        format!(
+                            "must be a string or a list of strings, got a {} in the list",
+                            type_name(&item)
+                        ),
+                    )
+                })?;
+                text(field, s)
             })
             .collect();
     }
@@ -103,25 +106,11 @@ fn strings(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     ))
 }
 
-fn token_ids(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    if !(v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) {
-        return Err(bad(
-            field,
-            format!("must be a list of token ids, got {}", type_name(v)),
-        ));
-    }
-    v.try_iter()?
-        .map(|item| {
-            let id = int(field, &item?, 0)?;
-            u32::try_from(id).map_err(|_| bad(field, format!("token id {id} is not a valid id")))
-        })
-        .collect()
-}
-
 /// Applies keyword arguments to `p`, checking each; an unknown keyword is an error.
 pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyResult<()> {
     for (k, v) in kwargs.iter() {
-        let key: String = k.extract()?;
+        // A keyword name is a str, but it may hold a lone surrogate: report it, lossily.
+        let key = lossy(&k);
         let none = v.is_none();
         match key.as_str() {
             "max_tokens" => {
@@ -187,12 +176,22 @@ pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyRes
     Ok(())
 }
 
-/// The parameters of a call: `params`, or keyword arguments, not both.
+/// The parameters of a call: `params` (a SamplingParams or None), or keyword arguments, not both.
+/// `params` is taken as any object so that a wrong type is an InvalidRequest, not a TypeError.
 pub fn resolve(
-    params: Option<&PySamplingParams>,
+    params: Option<&Bound<'_, PyAny>>,
     kwargs: Option<&Bound<'_, PyDict>>,
     vocab_size: usize,
 ) -> PyResult<SamplingParams> {
+    let params = match params.filter(|p| !p.is_none()) {
+        None => None,
+        Some(p) => Some(p.cast::<PySamplingParams>().map_err(|_| {
+            bad(
+                "params",
+                format!("must be a SamplingParams or None, got {}", type_name(p)),
+            )
+        })?),
+    };
     let kwargs = kwargs.filter(|k| !k.is_empty());
     let p = match (params, kwargs) {
         (Some(_), Some(_)) => {
@@ -201,7 +200,7 @@ pub fn resolve(
                 "pass either a SamplingParams or keyword arguments, not both",
             ))
         }
-        (Some(p), None) => p.inner.clone(),
+        (Some(p), None) => p.get().inner.clone(),
         (None, kw) => {
             let mut p = SamplingParams::default();
             if let Some(kw) = kw {

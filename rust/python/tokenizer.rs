@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
+use super::args::Flag;
 use super::errors::to_pyerr;
 use super::json::py_to_json;
 use crate::model::tokenizer::Tokenizer;
@@ -39,14 +40,15 @@ impl PyTokenizer {
     }
 
     /// Renders the model's chat template, as transformers' apply_chat_template(tokenize=False).
-    #[pyo3(signature = (messages, add_generation_prompt = true, **kwargs))]
+    #[pyo3(signature = (messages, add_generation_prompt = Flag::Value(true), **kwargs))]
     fn apply_chat_template(
         &self,
         py: Python<'_>,
         messages: &Bound<'_, PyAny>,
-        add_generation_prompt: bool,
+        add_generation_prompt: Flag,
         kwargs: Option<&Bound<'_, pyo3::types::PyDict>>,
     ) -> PyResult<String> {
+        let add_generation_prompt = add_generation_prompt.get("add_generation_prompt")?;
         let messages = py_to_json(messages, "messages")?;
         let extra = kwargs
             .map(|k| py_to_json(k.as_any(), "kwargs"))

@@ -1,0 +1,107 @@
+//! Checks of Python arguments that pyo3's own extraction would answer with a bare TypeError,
+//! OverflowError or UnicodeEncodeError: each failure here is an InvalidRequest naming the field.
+
+use pyo3::exceptions::PyOverflowError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+
+use super::errors::to_pyerr;
+use crate::error::StrataError;
+
+pub fn bad(field: &str, reason: impl Into<String>) -> PyErr {
+    to_pyerr(StrataError::invalid(field, reason))
+}
+
+pub fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "?".into(), |n| n.to_string())
+}
+
+/// The text of a Python str. A str holding a lone surrogate ("\ud800") has no UTF-8 form.
+pub fn text(field: &str, s: &Bound<'_, PyString>) -> PyResult<String> {
+    s.to_str().map(str::to_owned).map_err(|_| {
+        bad(
+            field,
+            "must be valid Unicode text (it holds a lone surrogate)",
+        )
+    })
+}
+
+/// A str for a message: the text with unencodable characters replaced (names in errors).
+pub fn lossy(v: &Bound<'_, PyAny>) -> String {
+    match v.cast::<PyString>() {
+        Ok(s) => s.to_string_lossy().into_owned(),
+        Err(_) => v.to_string(),
+    }
+}
+
+/// A list or tuple of token ids, each a Python int (or an object with `__index__`, such as a
+/// numpy integer; never a bool) in 0..2**32.
+pub fn token_ids(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if !(v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>()) {
+        return Err(bad(
+            field,
+            format!("must be a list of token ids, got {}", type_name(v)),
+        ));
+    }
+    v.try_iter()?.map(|item| token_id(field, &item?)).collect()
+}
+
+fn token_id(field: &str, item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let not_an_id = || {
+        bad(
+            field,
+            format!(
+                "must be a list of token ids, got a {} in the list",
+                type_name(item)
+            ),
+        )
+    };
+    // bool is an int subclass in Python, but True is no token id.
+    if item.is_instance_of::<PyBool>() {
+        return Err(not_an_id());
+    }
+    let invalid = |t: &dyn std::fmt::Display| bad(field, format!("token id {t} is not a valid id"));
+    match item.extract::<i64>() {
+        Ok(t) => u32::try_from(t).map_err(|_| invalid(&t)),
+        Err(e)
+            if e.is_instance_of::<PyOverflowError>(item.py()) || item.is_instance_of::<PyInt>() =>
+        {
+            // Shown when it fits 128 bits: str() of a huge int can itself fail (digit limit).
+            Err(match item.extract::<i128>() {
+                Ok(t) => invalid(&t),
+                Err(_) => invalid(&"beyond 2**127"),
+            })
+        }
+        Err(_) => Err(not_an_id()),
+    }
+}
+
+/// A bool argument as given. Its extraction never fails, so that a wrong type comes out of
+/// [`Flag::get`] as an InvalidRequest naming the argument (pyo3's own would be a TypeError).
+pub enum Flag {
+    Value(bool),
+    WrongType(String),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let obj = obj.to_owned();
+        Ok(match obj.cast::<PyBool>() {
+            Ok(b) => Flag::Value(b.is_true()),
+            Err(_) => Flag::WrongType(type_name(&obj)),
+        })
+    }
+}
+
+impl Flag {
+    pub fn get(&self, field: &str) -> PyResult<bool> {
+        match self {
+            Flag::Value(b) => Ok(*b),
+            Flag::WrongType(t) => Err(bad(field, format!("must be a bool, got {t}"))),
+        }
+    }
+}
