@@ -254,6 +254,21 @@ fn load_errors_name_the_file_and_tensor() {
         format!("{shown}: tensor model.embed_tokens.weight: unsupported dtype I8 (supported: F32, F16, BF16)")
     );
 
+    // A shape whose byte size overflows: an error, not a wrapped size that matches the offsets.
+    for shape in ["[4611686018427387904,4]", "[4294967296,4294967296,4]"] {
+        let header = format!(
+            r#"{{"model.embed_tokens.weight":{{"dtype":"F32","shape":{shape},"data_offsets":[0,0]}}}}"#
+        );
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        std::fs::write(&st, bytes).unwrap();
+        let want = shape.trim_matches(['[', ']']).replace(',', ", ");
+        assert_eq!(
+            load_error(d),
+            format!("{shown}: tensor model.embed_tokens.weight: shape [{want}] is too large")
+        );
+    }
+
     // No weights at all.
     std::fs::remove_file(&st).unwrap();
     assert_eq!(

@@ -40,6 +40,8 @@ pub mod stop;
 
 /// Tokens in a K/V block.
 pub const BLOCK_SIZE: usize = 16;
+/// Most compute threads an engine may be asked for.
+pub const MAX_THREADS: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -150,6 +152,13 @@ impl Engine {
         }
         let threads = match opts.threads {
             Some(0) => return Err(StrataError::invalid("threads", "must be at least 1")),
+            // Each thread gets a workspace: a huge count would abort on allocation, not fail.
+            Some(t) if t > MAX_THREADS => {
+                return Err(StrataError::invalid(
+                    "threads",
+                    format!("must be at most {MAX_THREADS}, got {t}"),
+                ))
+            }
             Some(t) => t,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
@@ -163,8 +172,9 @@ impl Engine {
             Some(n) => n,
             None => config.max_position_embeddings,
         };
-        // The RoPE table covers the requested context; the pool may clamp it below.
-        let model = Model::load(dir, max_context)?;
+        // The RoPE table is sized below, once the pool has bounded the context: a context taken
+        // from config.json (or max_context) can be far larger than memory.
+        let mut model = Model::load(dir, 0)?;
         // f32 weights keep exact f32 K/V; f16/bf16 weights get f16 K/V (llama.cpp's default),
         // which halves the bytes attention reads per token.
         let kv_dtype = KvDtype::for_weights(model.dtype);
@@ -176,14 +186,19 @@ impl Engine {
             kv_dtype,
         );
         let kv_blocks = match opts.kv_memory_mib {
-            Some(mib) => (mib << 20) / block_bytes,
+            Some(mib) => {
+                mib.checked_mul(1 << 20).ok_or_else(|| {
+                    StrataError::invalid("kv_memory_mib", format!("{mib} MiB is too large"))
+                })? / block_bytes
+            }
             None => max_context
                 .div_ceil(BLOCK_SIZE)
                 .min((2048 << 20) / block_bytes)
                 .max(1),
         };
         // One sequence must fit in the pool, else no request of max_context could ever run.
-        let max_context = max_context.min(kv_blocks * BLOCK_SIZE);
+        let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
+        model.set_max_positions(max_context)?;
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);

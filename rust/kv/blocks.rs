@@ -185,11 +185,18 @@ impl BlockPool {
             .checked_mul(block_size * kv_heads * head_dim)
             .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
         let mut layers = Vec::with_capacity(num_layers);
+        // The budget is the caller's (kv_memory_mib, or the default derived from max_context).
         let oom = |_| {
-            StrataError::Internal(format!(
-                "cannot allocate the K/V pool ({} MiB)",
-                (num_layers * per_layer * 2 * kv_dtype.size()) >> 20
-            ))
+            StrataError::invalid(
+                "kv_memory_mib",
+                format!(
+                    "cannot allocate the K/V pool ({} MiB)",
+                    num_layers
+                        .saturating_mul(per_layer)
+                        .saturating_mul(2 * kv_dtype.size())
+                        >> 20
+                ),
+            )
         };
         for _ in 0..num_layers {
             layers.push(match kv_dtype {

@@ -19,6 +19,15 @@ use crate::error::{Result, StrataError};
 
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// Steps (minijinja's fuel: about one per instruction) one render may take. A template that
+/// loops without end (nested `range(100000)` loops) must fail, not hold the caller forever. The
+/// qwen3 fixture takes about 90 steps per message of a tool-using conversation (see the tests),
+/// so this is room for some 200,000 messages, and it runs out in about a second.
+pub const RENDER_FUEL: u64 = 20_000_000;
+/// Bytes one render may write: far beyond any prompt a context can hold, small enough that a
+/// template printing `'x' * 100000000` in a loop fails instead of exhausting memory.
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+
 /// Either a compiled template or the reason there is none (reported on use, not at
 /// load: a model without a template can still serve plain completions).
 pub enum ChatTemplate {
@@ -66,7 +75,7 @@ impl ChatTemplate {
                 for (k, v) in map {
                     if k == "messages" || k == "add_generation_prompt" {
                         return Err(StrataError::invalid(
-                            "extra",
+                            "chat_template_kwargs",
                             format!("\"{k}\" cannot be set as an extra template variable"),
                         ));
                     }
@@ -74,7 +83,10 @@ impl ChatTemplate {
                 }
             }
             Some(_) => {
-                return Err(StrataError::invalid("extra", "expected a JSON object"));
+                return Err(StrataError::invalid(
+                    "chat_template_kwargs",
+                    "expected a JSON object",
+                ));
             }
         }
         ctx.insert("messages".into(), Value::from_serialize(messages));
@@ -85,7 +97,54 @@ impl ChatTemplate {
         let template = env.get_template(TEMPLATE_NAME).map_err(|e| {
             StrataError::Internal(format!("compiled chat template is missing: {e}"))
         })?;
-        template.render(ctx).map_err(render_error)
+        let mut out = CappedWriter::new(MAX_RENDER_BYTES);
+        let rendered = template.render_captured_to(ctx, &mut out);
+        if out.over {
+            return Err(StrataError::invalid(
+                "messages",
+                format!(
+                    "the chat template's output exceeds {} MiB",
+                    MAX_RENDER_BYTES >> 20
+                ),
+            ));
+        }
+        rendered.map_err(render_error)?;
+        // Every write is a whole &str from the template, so the bytes are UTF-8.
+        String::from_utf8(out.buf)
+            .map_err(|e| StrataError::Internal(format!("chat template output: {e}")))
+    }
+}
+
+/// Collects a render's output up to `limit` bytes; past it every write fails (and the render
+/// with it).
+struct CappedWriter {
+    buf: Vec<u8>,
+    limit: usize,
+    over: bool,
+}
+
+impl CappedWriter {
+    fn new(limit: usize) -> Self {
+        CappedWriter {
+            buf: Vec::new(),
+            limit,
+            over: false,
+        }
+    }
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + data.len() > self.limit {
+            self.over = true;
+            return Err(std::io::Error::other("the output limit is reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -160,6 +219,7 @@ impl std::error::Error for RaisedException {}
 
 fn build_environment(source: String) -> std::result::Result<Environment<'static>, JinjaError> {
     let mut env = Environment::new();
+    env.set_fuel(Some(RENDER_FUEL));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_keep_trailing_newline(false);
@@ -304,6 +364,12 @@ fn raise_exception(message: String) -> std::result::Result<Value, JinjaError> {
 }
 
 fn render_error(err: JinjaError) -> StrataError {
+    if err.kind() == ErrorKind::OutOfFuel {
+        return StrataError::invalid(
+            "messages",
+            format!("the chat template did not finish within {RENDER_FUEL} steps"),
+        );
+    }
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
     while let Some(e) = source {
         if let Some(raised) = e.downcast_ref::<RaisedException>() {
@@ -766,6 +832,82 @@ fn check_messages(messages: &Json) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn compiled(source: &str) -> ChatTemplate {
+        ChatTemplate::Compiled(Box::new(
+            build_environment(source.to_string()).expect("compile"),
+        ))
+    }
+
+    fn render_user(t: &ChatTemplate) -> Result<String> {
+        let messages = serde_json::json!([{"role": "user", "content": "hi"}]);
+        t.render(&BTreeMap::new(), &messages, true, None)
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let t = compiled(
+            "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x",
+        );
+        let started = std::time::Instant::now();
+        let err = render_user(&t).expect_err("out of fuel");
+        assert!(matches!(err, StrataError::InvalidRequest { .. }), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            format!("messages: the chat template did not finish within {RENDER_FUEL} steps")
+        );
+        // Generous for a loaded debug build; the budget is about a second of work.
+        assert!(started.elapsed().as_secs() < 30, "{:?}", started.elapsed());
+    }
+
+    #[test]
+    fn recursion_and_output_are_bounded() {
+        let t = compiled("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
+        assert_eq!(
+            render_user(&t).expect_err("recursion").to_string(),
+            "messages: chat template failed: invalid operation: recursion limit exceeded (in chat_template:1)"
+        );
+        let t = compiled("{% for a in range(100) %}{{ 'x' * 10000000 }}{% endfor %}");
+        assert_eq!(
+            render_user(&t).expect_err("output cap").to_string(),
+            "messages: the chat template's output exceeds 64 MiB"
+        );
+        // Just under the cap is fine.
+        let t = compiled("{{ 'x' * 1000000 }}");
+        assert_eq!(render_user(&t).expect("1 MB").len(), 1_000_000);
+    }
+
+    /// A long tool-using conversation through the qwen3 fixture stays far below the fuel budget:
+    /// the budget fails loops, not real templates.
+    #[test]
+    fn real_templates_use_little_fuel() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/templates/qwen3.jinja");
+        let source = std::fs::read_to_string(&path).expect("fixture");
+        let env = build_environment(source).expect("compile");
+        let template = env.get_template(TEMPLATE_NAME).expect("template");
+        let mut messages = Vec::new();
+        for i in 0..1000 {
+            messages.push(serde_json::json!({"role": "user", "content": format!("question {i}")}));
+            messages.push(serde_json::json!({
+                "role": "assistant", "content": "<think>\nhm\n</think>\n\nanswer",
+                "tool_calls": [{"function": {"name": "f", "arguments": {"q": i}}}]
+            }));
+            messages.push(serde_json::json!({"role": "tool", "content": "result"}));
+        }
+        let ctx = serde_json::json!({
+            "messages": messages, "add_generation_prompt": true,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        });
+        let mut out = Vec::new();
+        let captured = template.render_captured_to(ctx, &mut out).expect("render");
+        let (consumed, _) = captured.state().fuel_levels().expect("fuel is on");
+        assert!(out.len() > 100_000);
+        assert!(
+            consumed < RENDER_FUEL / 20,
+            "3000 messages took {consumed} steps of {RENDER_FUEL}"
+        );
+    }
 
     #[test]
     fn generation_tags_become_plain_blocks() {

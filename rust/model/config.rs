@@ -55,6 +55,14 @@ pub struct ModelConfig {
     pub sliding_layers: Vec<bool>,
 }
 
+/// Bounds no real model comes near. Past them, sizes computed from config.json before the weights
+/// are checked against it (per-layer lists, heads x head_dim) would overflow or allocate without
+/// end.
+pub const MAX_LAYERS: usize = 4096;
+pub const MAX_HEADS: usize = 1 << 16;
+/// Token ids are 32-bit.
+pub const MAX_VOCAB: usize = 1 << 32;
+
 /// Reads one JSON field with a clear error naming the file and the field.
 struct Fields<'a> {
     file: &'a Path,
@@ -89,6 +97,13 @@ impl Fields<'_> {
         let n = self.usize(field)?;
         if n == 0 {
             return Err(self.err(field, "must be > 0"));
+        }
+        Ok(n)
+    }
+
+    fn at_most(&self, field: &str, n: usize, max: usize) -> Result<usize> {
+        if n > max {
+            return Err(self.err(field, format!("{n} is more than {max}")));
         }
         Ok(n)
     }
@@ -149,7 +164,11 @@ impl ModelConfig {
         };
 
         let hidden_size = f.positive("hidden_size")?;
-        let num_heads = f.positive("num_attention_heads")?;
+        let num_heads = f.at_most(
+            "num_attention_heads",
+            f.positive("num_attention_heads")?,
+            MAX_HEADS,
+        )?;
         let num_kv_heads = f.usize_opt("num_key_value_heads")?.unwrap_or(num_heads);
         if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(f.err(
@@ -229,7 +248,11 @@ impl ModelConfig {
             _ => None,
         };
 
-        let num_layers = f.positive("num_hidden_layers")?;
+        let num_layers = f.at_most(
+            "num_hidden_layers",
+            f.positive("num_hidden_layers")?,
+            MAX_LAYERS,
+        )?;
         let sliding_layers = match f.opt("layer_types") {
             Some(Value::Array(types)) => {
                 if types.len() != num_layers {
@@ -265,11 +288,15 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            vocab_size: f.positive("vocab_size")?,
+            vocab_size: f.at_most("vocab_size", f.positive("vocab_size")?, MAX_VOCAB)?,
             rms_norm_eps: eps as f32,
             rope_theta,
             rope_scaling,
-            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings: match f.usize_opt("max_position_embeddings")? {
+                Some(0) => return Err(f.err("max_position_embeddings", "must be > 0")),
+                Some(n) => n,
+                None => 2048,
+            },
             tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
             o_bias,
@@ -429,6 +456,34 @@ mod tests {
             e.to_string(),
             "m/config.json: rope_scaling.rope_type: unsupported rope scaling \"yarn\" (supported: default, linear, llama3)"
         );
+        for (field, value, want) in [
+            (
+                "num_hidden_layers",
+                "1000000000000000",
+                "num_hidden_layers: 1000000000000000 is more than 4096",
+            ),
+            (
+                "num_attention_heads",
+                "4611686018427387904",
+                "num_attention_heads: 4611686018427387904 is more than 65536",
+            ),
+            (
+                "vocab_size",
+                "4294967297",
+                "vocab_size: 4294967297 is more than 4294967296",
+            ),
+            (
+                "max_position_embeddings",
+                "0",
+                "max_position_embeddings: must be > 0",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"model_type": "llama", {BASE}, "{field}": {value}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.to_string(), format!("m/config.json: {want}"));
+        }
         let e = parse(&format!(
             r#"{{"model_type": "llama", {BASE}, "hidden_size": -3}}"#
         ))

@@ -67,7 +67,9 @@ impl Workspace {
             up: vec![0.0; t * c.intermediate_size],
             picked: vec![0.0; t * c.hidden_size],
             rows: Vec::with_capacity(t),
-            tables: Vec::with_capacity(t + c.max_position_embeddings / 4),
+            // A capacity hint from the context served (the RoPE table's), not config.json's
+            // max_position_embeddings, which can be far beyond memory.
+            tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
             slots: Vec::with_capacity(t),
             matmul: MatmulScratch::new(
                 threads,

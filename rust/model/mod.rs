@@ -132,7 +132,7 @@ impl Model {
                 decode_weight_bytes += t.byte_len();
             }
         }
-        let rope = RopeTable::new(c.head_dim, c.rope_theta, &c.rope_scaling, max_positions);
+        let rope = rope_table(c, max_positions)?;
         Ok(Model {
             config,
             embed,
@@ -144,4 +144,20 @@ impl Model {
             decode_weight_bytes,
         })
     }
+
+    /// Rebuilds the RoPE table for `max_positions` (the engine sizes it once the K/V pool has
+    /// bounded the context).
+    pub fn set_max_positions(&mut self, max_positions: usize) -> Result<()> {
+        self.rope = rope_table(&self.config, max_positions)?;
+        Ok(())
+    }
+}
+
+fn rope_table(c: &ModelConfig, max_positions: usize) -> Result<RopeTable> {
+    RopeTable::try_new(c.head_dim, c.rope_theta, &c.rope_scaling, max_positions).ok_or_else(|| {
+        StrataError::invalid(
+            "max_context",
+            format!("cannot allocate the rotary position table for {max_positions} positions"),
+        )
+    })
 }

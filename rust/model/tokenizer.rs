@@ -54,8 +54,7 @@ impl Tokenizer {
     pub fn load(dir: &Path) -> Result<Tokenizer> {
         let tok_path = dir.join("tokenizer.json");
         let tok_text = read_required(&tok_path)?;
-        let mut inner = tokenizers::Tokenizer::from_str(&tok_text)
-            .map_err(|e| StrataError::model_load(&tok_path, format!("invalid tokenizer: {e}")))?;
+        let mut inner = parse_tokenizer(&tok_path, &tok_text)?;
 
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg = read_json_object(&cfg_path)?.unwrap_or_default();
@@ -68,6 +67,7 @@ impl Tokenizer {
         }
 
         rebuild_llama_post_processor(&mut inner, &cfg, &cfg_path, &special_tokens)?;
+        probe(&tok_path, &inner)?;
 
         let chat = ChatTemplate::load(dir, &cfg_path, &cfg)?;
 
@@ -127,9 +127,8 @@ impl Tokenizer {
     }
 
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, add_special_tokens)
+        let encoding = guarded(|| self.inner.encode(text, add_special_tokens))
+            .map_err(|why| StrataError::invalid("text", format!("cannot encode: {why}")))?
             .map_err(|e| StrataError::invalid("text", format!("cannot encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
@@ -163,8 +162,8 @@ impl Tokenizer {
 
     /// Decode ids already known to be in the vocabulary.
     fn decode_checked(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
+        guarded(|| self.inner.decode(ids, skip_special_tokens))
+            .map_err(|why| StrataError::invalid("token_ids", format!("cannot decode: {why}")))?
             .map_err(|e| StrataError::invalid("token_ids", format!("cannot decode: {e}")))
     }
 
@@ -289,6 +288,49 @@ impl IncrementalDecoder {
 // ---------------------------------------------------------------------------
 // Loading helpers
 // ---------------------------------------------------------------------------
+
+/// tokenizer.json -> a tokenizer. The tokenizers crate panics on some malformed files instead of
+/// returning an error (`expect` in its decoder and normalizer deserializers: a decoder section
+/// that is not JSON, a "Precompiled" normalizer with a bad charsmap), so the JSON syntax is
+/// checked first and a panic left is caught: both are a ModelLoadError naming the file.
+fn parse_tokenizer(path: &Path, text: &str) -> Result<tokenizers::Tokenizer> {
+    serde_json::from_str::<serde::de::IgnoredAny>(text)
+        .map_err(|e| StrataError::model_load(path, format!("invalid JSON: {e}")))?;
+    guarded(|| tokenizers::Tokenizer::from_str(text))
+        .map_err(|why| StrataError::model_load(path, format!("invalid tokenizer: {why}")))?
+        .map_err(|e| StrataError::model_load(path, format!("invalid tokenizer: {e}")))
+}
+
+/// Some tokenizers that load panic on every text (a "Prepend" normalizer with an empty string
+/// indexes past its alignments): try one text at load, so that such a file is a ModelLoadError
+/// rather than a failure of every request. An ordinary encode error is left to the requests (a
+/// tokenizer of a small alphabet may not cover the probe).
+fn probe(path: &Path, inner: &tokenizers::Tokenizer) -> Result<()> {
+    const TEXT: &str = "Hello, world! héllo 日本語 🎉\n\t 123";
+    let failed = |why: String| {
+        StrataError::model_load(path, format!("the tokenizer fails on a probe text: {why}"))
+    };
+    if let Ok(encoding) = guarded(|| inner.encode(TEXT, true)).map_err(failed)? {
+        // Decoding ids of the tokenizer's own making; an error here is as odd as a panic.
+        let _ = guarded(|| inner.decode(encoding.get_ids(), false)).map_err(failed)?;
+    }
+    Ok(())
+}
+
+/// Runs a call into the tokenizers crate, which panics on some inputs a malformed file allows
+/// instead of returning an error: the panic's message as an Err. (The panic hook still prints
+/// the panic to stderr.)
+fn guarded<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    // The closures only read the tokenizer; a panic leaves nothing half-updated to observe.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        format!("the tokenizers library panicked: {why}")
+    })
+}
 
 fn read_required(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| match e.kind() {
@@ -701,7 +743,7 @@ mod tests {
         let err = render(&tok, json!([]), Some(json!({"messages": []}))).expect_err("dup");
         assert_eq!(
             err.to_string(),
-            "extra: \"messages\" cannot be set as an extra template variable"
+            "chat_template_kwargs: \"messages\" cannot be set as an extra template variable"
         );
     }
 
@@ -811,6 +853,46 @@ mod tests {
         let msg = load_err(&dir);
         assert!(
             msg.starts_with(&format!("{path}/tokenizer.json: invalid tokenizer: ")),
+            "{msg}"
+        );
+    }
+
+    /// The tokenizers crate panics on these (an `expect` in its deserializers); loading must
+    /// give a ModelLoadError naming the file instead.
+    #[test]
+    fn a_tokenizer_json_that_makes_the_library_panic_is_a_load_error() {
+        let dir = folder(None);
+        let path = dir.path().join("tokenizer.json").display().to_string();
+        let text = tokenizer_json().to_string();
+        // A control character inside a string of the decoder section: not JSON.
+        let broken = text.replacen("\"ByteLevel\"", "\"Byte\u{1}Level\"", 1);
+        write(dir.path(), "tokenizer.json", &broken);
+        let msg = load_err(&dir);
+        assert!(
+            msg.starts_with(&format!(
+                "{path}: invalid JSON: control character (\\u0000-\\u001F) found while parsing a string"
+            )),
+            "{msg}"
+        );
+        // Valid JSON, but a "Precompiled" normalizer whose charsmap is not one.
+        let mut json = tokenizer_json();
+        json["normalizer"] = json!({"type": "Precompiled", "precompiled_charsmap": 5});
+        write(dir.path(), "tokenizer.json", &json.to_string());
+        let msg = load_err(&dir);
+        assert!(
+            msg.starts_with(&format!(
+                "{path}: invalid tokenizer: the tokenizers library panicked: Precompiled"
+            )),
+            "{msg}"
+        );
+        // Loads, but the "Prepend" normalizer with an empty string panics on any text.
+        json["normalizer"] = json!({"type": "Prepend", "prepend": ""});
+        write(dir.path(), "tokenizer.json", &json.to_string());
+        let msg = load_err(&dir);
+        assert!(
+            msg.starts_with(&format!(
+                "{path}: the tokenizer fails on a probe text: the tokenizers library panicked: index out of bounds"
+            )),
             "{msg}"
         );
     }

@@ -206,14 +206,18 @@ impl SafetensorsFiles {
                 .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
                 .filter(|o: &Vec<usize>| o.len() == 2 && o[0] <= o[1])
                 .ok_or_else(|| terr("missing or invalid data_offsets".into()))?;
-            let numel: usize = shape.iter().product();
-            if offsets[1] - offsets[0] != numel * dtype.size() {
+            // A header is input: a shape whose size overflows is an error, not a wrapped size.
+            let bytes = shape
+                .iter()
+                .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| terr(format!("shape {shape:?} is too large")))?;
+            if offsets[1] - offsets[0] != bytes {
                 return Err(terr(format!(
                     "data_offsets span {} bytes but shape {:?} of {} needs {}",
                     offsets[1] - offsets[0],
                     shape,
                     dtype.name(),
-                    numel * dtype.size()
+                    bytes
                 )));
             }
             if offsets[1] > data_len {

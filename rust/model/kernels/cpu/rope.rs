@@ -61,15 +61,25 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
 }
 
 impl RopeTable {
-    pub fn new(head_dim: usize, theta: f64, scaling: &RopeScaling, max_positions: usize) -> Self {
+    /// `None` when the table for `max_positions` cannot be allocated (a context far beyond the
+    /// machine's memory): the caller reports it, where an infallible allocation would abort.
+    pub fn try_new(
+        head_dim: usize,
+        theta: f64,
+        scaling: &RopeScaling,
+        max_positions: usize,
+    ) -> Option<Self> {
         assert!(
             head_dim >= 2 && head_dim.is_multiple_of(2),
             "rope: head_dim must be even"
         );
         let half = head_dim / 2;
         let freqs = inv_freqs(head_dim, theta, scaling);
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
+        let len = max_positions.checked_mul(half)?;
+        let mut cos: Vec<f32> = Vec::new();
+        let mut sin: Vec<f32> = Vec::new();
+        cos.try_reserve_exact(len).ok()?;
+        sin.try_reserve_exact(len).ok()?;
         for p in 0..max_positions {
             for &f in &freqs {
                 let a = p as f64 * f;
@@ -77,12 +87,12 @@ impl RopeTable {
                 sin.push(a.sin() as f32);
             }
         }
-        Self {
+        Some(Self {
             half,
             max_positions,
             cos,
             sin,
-        }
+        })
     }
 
     pub fn max_positions(&self) -> usize {
@@ -190,7 +200,7 @@ mod tests {
         for s in &scalings {
             for &(head_dim, n_heads, theta) in &[(64usize, 9usize, 10000.0), (34, 3, 1e6)] {
                 let max = 300;
-                let table = RopeTable::new(head_dim, theta, s, max);
+                let table = RopeTable::try_new(head_dim, theta, s, max).expect("table");
                 assert_eq!(table.max_positions(), max);
                 // Includes positions past original_max_position_embeddings (64).
                 for &pos in &[0usize, 1, 17, 63, 64, 65, 200, 299] {
@@ -214,9 +224,15 @@ mod tests {
     }
 
     #[test]
+    fn a_table_beyond_memory_is_none() {
+        assert!(RopeTable::try_new(8, 10000.0, &RopeScaling::None, usize::MAX / 2).is_none());
+        assert!(RopeTable::try_new(8, 10000.0, &RopeScaling::None, 1 << 50).is_none());
+    }
+
+    #[test]
     #[should_panic]
     fn position_past_table_panics() {
-        let t = RopeTable::new(8, 10000.0, &RopeScaling::None, 4);
+        let t = RopeTable::try_new(8, 10000.0, &RopeScaling::None, 4).expect("table");
         t.apply(&mut [0.0; 8], 1, 4);
     }
 }
