@@ -45,7 +45,9 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
 class Tokenizer:
     @staticmethod
     def from_dir(path: str | PathLike[str]) -> Tokenizer:
-        """Loads the tokenizer files of a model folder (no weights)."""
+        """Loads the tokenizer files of a model folder (no weights). Raises ModelLoadError naming
+        the file: tokenizer.json, tokenizer_config.json, generation_config.json, or the chat
+        template's file when the template does not compile."""
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
     def apply_chat_template(
@@ -55,7 +57,9 @@ class Tokenizer:
         **kwargs: Any,
     ) -> str:
         """Renders the model's chat template as transformers' apply_chat_template(tokenize=False)
-        does; keyword arguments become template variables (tools, enable_thinking, ...)."""
+        does; keyword arguments become template variables (tools, enable_thinking, ...).
+        InvalidRequest naming `messages` when the template fails (raise_exception, an unknown
+        filter, more than 20M steps, more than 64 MiB of output)."""
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -323,8 +327,9 @@ class Engine:
         disk_cache_days: float = 7.0,
         cache_faults: str | None = None,
     ) -> Awaitable[Engine]:
-        """Loads a Hugging Face model folder. Raises ModelLoadError, DeviceUnavailable or
-        InvalidRequest.
+        """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
+        DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
+        allocated: threads over 1024, a kv_memory_mib or max_context past memory).
 
         max_batch: sequences decoding at once. max_context: longest sequence (default: the
         model's). kv_memory_mib: K/V pool budget (default: one max_context sequence, at most
@@ -350,8 +355,9 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> TokenStream:
         """Streams the continuation of a prompt (text, encoded with special tokens, or token
-        ids). Sampling options as `params` or as SamplingParams keywords. Raises InvalidRequest,
-        ContextOverflow, EngineBusy or EngineStopped at once."""
+        ids: ints in 0..vocab_size, not bools). Sampling options as `params` (a SamplingParams or
+        None) or as SamplingParams keywords. Raises InvalidRequest (a wrong type or value, naming
+        the argument), ContextOverflow, EngineBusy or EngineStopped at once."""
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -361,7 +367,10 @@ class Engine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TokenStream:
-        """Streams the assistant's answer to `messages`, rendered with the chat template."""
+        """Streams the assistant's answer to `messages`, rendered with the chat template. Raises
+        as generate() does; errors about the messages or the prompt they render to (its
+        length: ContextOverflow) name `messages`, and a template that fails to render is an
+        InvalidRequest naming `messages`."""
     def complete(
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> Awaitable[Completion]:
@@ -375,7 +384,8 @@ class Engine:
     def _inject_fault(self) -> None:
         """Makes the engine thread's next step panic as a bug would (tests of fault handling)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:
-        """Logits of every position, ``[len(token_ids), vocab_size]`` float32."""
+        """Logits of every position, ``[len(token_ids), vocab_size]`` float32. InvalidRequest
+        naming token_ids for anything but a list of ids in the vocabulary."""
     def benchmark(
         self,
         prefill_lens: Sequence[int] = ...,
