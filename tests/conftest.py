@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from strata_rs.testing.models import make_model
+
+# The default test command draws the same examples on every run, so that a red CI means that a
+# change broke something; STRATA_FUZZ=explore draws new ones each run (to look for bugs).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("STRATA_FUZZ", "ci"))
 
 
 @pytest.fixture

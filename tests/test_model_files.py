@@ -78,10 +78,11 @@ def load_error(d: Path, **kwargs: Any) -> str:
 
 
 def serves(engine: Engine) -> None:
-    """A loaded engine answers a completion and closes."""
+    """A loaded engine answers a completion and closes. EOS is ignored: a mutated config may
+    make any id the model's EOS, and the answer must still be three tokens long."""
     try:
-        c = run(lambda: engine.complete([5, 17, 99], max_tokens=3, temperature=0))
-        assert len(c.token_ids) == 3
+        c = run(lambda: engine.complete([5, 17, 99], max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(c.token_ids) == 3 and c.finish_reason == "length"
     finally:
         run(engine.close)
 
