@@ -18,16 +18,16 @@ async pytest plugin re-enters its loop per hypothesis example.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import string
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
+from fuzzing import no_panic, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strata_rs import (
@@ -40,11 +40,8 @@ from strata_rs import (
 )
 
 MakeModel = Callable[..., Path]
-T = TypeVar("T")
 
 CONTEXT = 64
-# Seconds one example may take before it counts as a hang (a normal one takes milliseconds).
-HANG = 30.0
 REFERENCE_PROMPT = [5, 17, 99, 3]
 
 FUZZ = settings(
@@ -201,28 +198,6 @@ def check_chunks(chunks: list[StreamChunk], n: int, vocab: int) -> None:
     assert usage.completion_tokens == sum(len(v) for v in ids.values())
     assert all(usage.prompt_tokens + len(v) <= CONTEXT for v in ids.values())
     assert all(0 <= t < vocab for v in ids.values() for t in v)
-
-
-def no_panic(call: Callable[[], T]) -> T:
-    """Runs `call`; a Rust panic (pyo3's PanicException, a BaseException, which hypothesis would
-    re-raise at once without shrinking or reporting the example) becomes an AssertionError."""
-    try:
-        return call()
-    except Exception:
-        raise
-    except BaseException as e:
-        if type(e).__name__ == "PanicException":
-            raise AssertionError(f"Rust panic: {e}") from e
-        raise
-
-
-def run(make: Callable[[], Awaitable[T]]) -> T:
-    """Runs one example's coroutine on a fresh loop; a hang fails it."""
-
-    async def bounded() -> T:
-        return await asyncio.wait_for(make(), HANG)
-
-    return no_panic(lambda: asyncio.run(bounded()))
 
 
 # ---------------------------------------------------------------------------------------------

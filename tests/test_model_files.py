@@ -15,48 +15,26 @@ Examples are driven as in test_fuzz_api.py: plain test functions, each load or r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import struct
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
+from fuzzing import HANG, no_panic, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strata_rs import Engine, InvalidRequest, ModelLoadError, Tokenizer
 
 MakeModel = Callable[..., Path]
-T = TypeVar("T")
 
-HANG = 30.0
 # Each example is a load of a tiny folder (milliseconds): many are cheap.
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 USER = [{"role": "user", "content": "hi"}]
-
-
-def no_panic(call: Callable[[], T]) -> T:
-    """Runs `call`; a Rust panic (pyo3's PanicException, a BaseException, which hypothesis would
-    re-raise at once without shrinking or reporting the example) becomes an AssertionError."""
-    try:
-        return call()
-    except Exception:
-        raise
-    except BaseException as e:
-        if type(e).__name__ == "PanicException":
-            raise AssertionError(f"Rust panic: {e}") from e
-        raise
-
-
-def run(make: Callable[[], Awaitable[T]]) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(make(), HANG)
-
-    return no_panic(lambda: asyncio.run(bounded()))
 
 
 def copy_model(src: Path, dst: Path) -> Path:
