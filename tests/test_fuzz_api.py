@@ -381,17 +381,24 @@ def check_completion(c: Completion, prompt: Any, kwargs: dict[str, Any], vocab: 
     assert (c.text, c.token_ids) == (c.choices[0].text, c.choices[0].token_ids)
 
 
+def generate_call(
+    args: tuple[Tagged, dict[str, Tagged]],
+) -> tuple[Any, dict[str, Any], set[str]]:
+    """The prompt, the keyword arguments, and the names a refusal may name."""
+    (value, prompt_ok), tagged = args
+    kwargs = values(tagged)
+    allowed = suspects(tagged) | ({"prompt"} if not prompt_ok else set())
+    # The prompt's length is only known good with max_tokens that fits after it.
+    if prompt_ok and kwargs.get("max_tokens") is not None:
+        allowed.add("max_tokens")
+    return value, kwargs, allowed
+
+
 def test_complete_accepts_or_names_the_field(served: Served) -> None:
     @FUZZ
     @given(generate_args())
     def example(args: tuple[Tagged, dict[str, Tagged]]) -> None:
-        prompt, tagged = args
-        value, prompt_ok = prompt
-        kwargs = values(tagged)
-        allowed = suspects(tagged) | ({"prompt"} if not prompt_ok else set())
-        # The prompt's length is only known good with max_tokens that fits after it.
-        if prompt_ok and kwargs.get("max_tokens") is not None:
-            allowed.add("max_tokens")
+        value, kwargs, allowed = generate_call(args)
         try:
             c = run(lambda: served.engine.complete(value, **kwargs))
         except Exception as e:
@@ -407,12 +414,7 @@ def test_generate_streams_or_names_the_field(served: Served) -> None:
     @FUZZ
     @given(generate_args())
     def example(args: tuple[Tagged, dict[str, Tagged]]) -> None:
-        prompt, tagged = args
-        value, prompt_ok = prompt
-        kwargs = values(tagged)
-        allowed = suspects(tagged) | ({"prompt"} if not prompt_ok else set())
-        if prompt_ok and kwargs.get("max_tokens") is not None:
-            allowed.add("max_tokens")
+        value, kwargs, allowed = generate_call(args)
 
         async def collect() -> list[StreamChunk]:
             return [chunk async for chunk in served.engine.generate(value, **kwargs)]

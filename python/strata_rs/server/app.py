@@ -89,6 +89,8 @@ class ServerState:
         self.draining = False
         self.closing = False
         self.metrics = ServerMetrics(self._snapshot)
+        # Read once: Engine.info builds a dict on every call, and every request needs this.
+        self.max_waiting = engine.info["max_waiting"] if engine is not None else 0
 
     def _snapshot(self) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
         if self.engine is None:
@@ -208,10 +210,11 @@ def _log_error(state: ServerState, endpoint: str, e: ApiError) -> None:
 # ---- generation --------------------------------------------------------------------------------
 
 
-def _open_streams(engine: Engine, req: GenerationRequest, retry_after: int) -> list[TokenStream]:
+def _open_streams(
+    engine: Engine, req: GenerationRequest, retry_after: int, max_waiting: int
+) -> list[TokenStream]:
     # Each prompt is a request in the engine's queue, all submitted at once: more than the queue
     # holds could never be admitted, so that is the client's error (400), not "retry later" (503).
-    max_waiting = engine.info["max_waiting"]
     if len(req.prompts) > max_waiting:
         raise openai.invalid(
             "prompt",
@@ -463,7 +466,7 @@ async def _generate(request: Request, kind: str) -> Response:
         body = await _json_body(request, state)
         parse = openai.parse_chat if kind == "chat" else openai.parse_completion
         req = parse(body, state.model_name)
-        streams = _open_streams(engine, req, state.settings.retry_after_seconds)
+        streams = _open_streams(engine, req, state.settings.retry_after_seconds, state.max_waiting)
     except ApiError as e:
         _log_error(state, endpoint, e)
         return _error(e, state, endpoint)
@@ -731,6 +734,7 @@ async def _load(state: ServerState, loader: Callable[[], Awaitable[Engine]]) -> 
         state.set_fatal(f"the model failed to load: {type(e).__name__}: {e}")
         return
     state.engine = engine
+    state.max_waiting = engine.info["max_waiting"]
     if state.settings.served_model_name is None:
         state.model_name = Path(engine.info["model_dir"]).name
     info = engine.info

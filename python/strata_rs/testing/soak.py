@@ -336,7 +336,7 @@ class _Load:
             return
         await asyncio.sleep(random.uniform(0.05, 1.0) * int(retry))
 
-    async def streamed(self, rng: random.Random, key: tuple[int, int], cancel_after: int) -> None:
+    async def streamed(self, key: tuple[int, int], cancel_after: int) -> None:
         body = {
             "prompt": self.prompts[key[0]],
             "max_tokens": key[1],
@@ -423,11 +423,11 @@ class _Load:
             roll = rng.random()
             try:
                 if roll < 0.6:
-                    await self.streamed(rng, key, cancel_after=1 << 30)
+                    await self.streamed(key, cancel_after=1 << 30)
                 elif roll < 0.75:
                     await self.whole(key)
                 elif roll < 0.9:
-                    await self.streamed(rng, key, cancel_after=rng.randint(0, key[1]))
+                    await self.streamed(key, cancel_after=rng.randint(0, key[1]))
                 else:
                     await self.dropped(rng, key)
             except (httpx.HTTPError, OSError, ValueError) as e:
@@ -689,7 +689,7 @@ async def _crash_cycle(
     prompts and the seconds from the start of the load to the kill."""
     try:
         for i in returning:
-            await load.streamed(rng, (i, LENGTHS[-1]), cancel_after=1 << 30)
+            await load.streamed((i, LENGTHS[-1]), cancel_after=1 << 30)
         hits = server_counters(load.url)["hit_tokens"]["disk"]
         if kill is None:
             return hits, 0.0
