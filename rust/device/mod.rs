@@ -1,10 +1,12 @@
 //! Devices: where a model's weights, K/V and compute live.
 //!
 //! The CPU backend is complete. The CUDA backend (feature "cuda") is at present the probe only:
-//! it finds the driver and the GPUs without ever panicking when there is none.
+//! it finds the driver and the GPUs without ever panicking when there is none. `graphs` is the
+//! CUDA-graph cache's device-independent logic, ready for the CUDA backend that will use it.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod graphs;
 pub mod host;
 
 use crate::error::{Result, StrataError};
