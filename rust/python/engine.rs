@@ -31,6 +31,8 @@ pub struct PyEngine {
     tokenizer: Py<PyTokenizer>,
 }
 
+/// The engine's lock. Whoever holds it must not wait for the GIL (no `py.detach` around it, no
+/// Python run under it): threads that hold the GIL take it too, and would deadlock.
 fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
     // A poisoned lock only means a panic elsewhere; the engine's own state is still consistent.
     engine.lock().unwrap_or_else(|p| p.into_inner())
@@ -228,8 +230,10 @@ impl PyEngine {
         params: SamplingParams,
         field: &str,
     ) -> PyResult<Submission> {
-        let engine = lock(&self.engine);
-        py.detach(|| engine.submit(ids, params))
+        // The lock is taken and let go without the GIL: a thread that holds it must never wait
+        // for the GIL, or a second thread submitting (holding the GIL, waiting for the lock)
+        // deadlocks with it.
+        py.detach(|| lock(&self.engine).submit(ids, params))
             .map_err(|e| to_pyerr(rename_prompt(e, field)))
     }
 
@@ -515,8 +519,8 @@ impl PyEngine {
     /// What was loaded and how: model shape, dtype, device, threads, context, K/V pool.
     #[getter]
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let engine = lock(&self.engine);
-        let i = engine.info();
+        // Copied out first: building the dict runs Python, which may switch threads.
+        let i = lock(&self.engine).info().clone();
         let c = &i.config;
         let d = PyDict::new(py);
         d.set_item("model_dir", i.model_dir.display().to_string())?;

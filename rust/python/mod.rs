@@ -2,6 +2,7 @@
 
 mod args;
 mod awaitable;
+mod dispatch;
 mod engine;
 mod errors;
 mod json;

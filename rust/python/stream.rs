@@ -1,19 +1,23 @@
 //! `TokenStream`: the async iterator `Engine.generate` and `Engine.chat` return.
 //!
-//! Each `__anext__` awaits the request's channel without the GIL, then takes every delta already
-//! waiting for the same choice and merges them into one chunk, so a consumer that falls behind
-//! catches up in one step instead of paying the per-chunk cost for each token. Dropping the
-//! stream (breaking out of `async for`, a cancelled task) cancels the request: the engine frees
-//! its blocks at its next step.
+//! Each `__anext__` polls the request's channel on the event loop's thread and, when nothing is
+//! there yet, leaves its future with the loop's dispatcher (`dispatch.rs`), which settles it when
+//! the engine sends. A call takes every delta already waiting for the same choice and merges them
+//! into one chunk, so a consumer that falls behind catches up in one step instead of paying the
+//! per-chunk cost for each token. Dropping the stream (breaking out of `async for`, a cancelled
+//! task) cancels the request: the engine frees its blocks at its next step.
 
-use std::sync::Arc;
+use std::future::poll_fn;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use pyo3::exceptions::PyStopAsyncIteration;
 use pyo3::prelude::*;
 use tokio::sync::mpsc::UnboundedReceiver;
-use tokio::sync::Mutex as AsyncMutex;
 
 use super::awaitable::spawn_awaitable;
+use super::dispatch::{current_dispatcher, LoopDispatcher};
+use super::errors::to_pyerr;
 use super::output::{chunk, ChoiceAcc};
 use crate::engine::request::{CancelFlag, Delta, Event, Usage};
 use crate::error::StrataError;
@@ -29,12 +33,34 @@ pub struct StreamState {
     done: bool,
 }
 
-#[pyclass(name = "TokenStream", module = "strata_rs", frozen)]
-pub struct PyTokenStream {
-    state: Arc<AsyncMutex<StreamState>>,
-    cancel: CancelFlag,
+/// What the stream and its event loop's dispatcher share.
+pub struct StreamShared {
+    state: Mutex<StreamState>,
     tokenizer: Arc<Tokenizer>,
     want_logprobs: bool,
+}
+
+impl StreamShared {
+    /// The next chunk as a Python object (`StopAsyncIteration` at the end), or `Pending` with
+    /// `cx`'s waker registered on the channel.
+    pub fn poll_chunk(&self, py: Python<'_>, cx: &mut Context<'_>) -> Poll<PyResult<Py<PyAny>>> {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.poll_next_delta(cx).map(|next| match next {
+            Ok(Some(d)) => {
+                Ok(Py::new(py, chunk(py, &self.tokenizer, d, self.want_logprobs)?)?.into_any())
+            }
+            Ok(None) => Err(PyStopAsyncIteration::new_err(())),
+            Err(e) => Err(to_pyerr(e)),
+        })
+    }
+}
+
+#[pyclass(name = "TokenStream", module = "strata_rs", frozen)]
+pub struct PyTokenStream {
+    shared: Arc<StreamShared>,
+    /// The event loop of the last `__anext__` and its dispatcher.
+    dispatcher: Mutex<Option<(Py<PyAny>, Py<LoopDispatcher>)>>,
+    cancel: CancelFlag,
     request_id: u64,
 }
 
@@ -47,10 +73,13 @@ impl PyTokenStream {
         request_id: u64,
     ) -> Self {
         PyTokenStream {
-            state: Arc::new(AsyncMutex::new(StreamState::new(events))),
+            shared: Arc::new(StreamShared {
+                state: Mutex::new(StreamState::new(events)),
+                tokenizer,
+                want_logprobs,
+            }),
+            dispatcher: Mutex::new(None),
             cancel,
-            tokenizer,
-            want_logprobs,
             request_id,
         }
     }
@@ -76,24 +105,32 @@ fn merge(acc: &mut Delta, next: Delta) -> Option<Delta> {
 impl StreamState {
     /// The next merged delta; `Ok(None)` once the request is complete.
     async fn next_delta(&mut self) -> Result<Option<Delta>, StrataError> {
+        poll_fn(|cx| self.poll_next_delta(cx)).await
+    }
+
+    fn poll_next_delta(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Option<Delta>, StrataError>> {
         if self.done {
-            return Ok(None);
+            return Poll::Ready(Ok(None));
         }
         let mut acc = match self.held.take() {
             Some(d) => d,
             None if self.failed.is_some() => {
                 self.done = true;
-                return Err(self.failed.take().unwrap_or_else(closed_early));
+                return Poll::Ready(Err(self.failed.take().unwrap_or_else(closed_early)));
             }
-            None => match self.events.recv().await {
-                Some(Event::Delta(d)) => d,
-                Some(Event::Error(e)) => {
+            None => match self.events.poll_recv(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Event::Delta(d))) => d,
+                Poll::Ready(Some(Event::Error(e))) => {
                     self.done = true;
-                    return Err(e);
+                    return Poll::Ready(Err(e));
                 }
-                None => {
+                Poll::Ready(None) => {
                     self.done = true;
-                    return Err(closed_early());
+                    return Poll::Ready(Err(closed_early()));
                 }
             },
         };
@@ -116,7 +153,7 @@ impl StreamState {
         if acc.usage.is_some() {
             self.done = true;
         }
-        Ok(Some(acc))
+        Poll::Ready(Ok(Some(acc)))
     }
 }
 
@@ -160,14 +197,8 @@ impl PyTokenStream {
     }
 
     fn __anext__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let state = self.state.clone();
-        let tokenizer = self.tokenizer.clone();
-        let want_logprobs = self.want_logprobs;
-        let work = async move { state.lock().await.next_delta().await };
-        spawn_awaitable(py, work, move |py, next| match next {
-            Some(d) => Ok(Py::new(py, chunk(py, &tokenizer, d, want_logprobs)?)?.into_any()),
-            None => Err(PyStopAsyncIteration::new_err(())),
-        })
+        let (event_loop, dispatcher) = current_dispatcher(py, &self.dispatcher)?;
+        dispatcher.get().next_chunk(&event_loop, &self.shared)
     }
 
     /// Stops the request; the engine frees its blocks at its next step and the stream ends with
