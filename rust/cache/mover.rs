@@ -25,6 +25,9 @@ pub struct ConversationCache {
     block_bytes: usize,
     /// One block: staging for device -> disk writes and disk -> device reads, allocated once.
     scratch: Vec<u8>,
+    /// The buffer of the last block the host tier let go, reused by the next offload: once the
+    /// host tier is full, an offload allocates nothing.
+    spare: Option<Box<[u8]>>,
     stats: CacheStats,
 }
 
@@ -41,8 +44,36 @@ fn zeroed_block(bytes: usize) -> std::result::Result<Vec<u8>, String> {
     let mut buf = Vec::new();
     buf.try_reserve_exact(bytes)
         .map_err(|e| format!("allocation failed: {e}"))?;
+    prefault(&mut buf);
     buf.resize(bytes, 0);
     Ok(buf)
+}
+
+/// Maps the pages of `buf`'s fresh capacity in one call. A block is larger than malloc's mmap
+/// threshold, so its pages are new, and faulting them in one by one as they are first written
+/// cost 0.2 ms per 368 KiB block (measured in a VM), five times the copy itself. Best effort:
+/// kernels before 5.14 refuse the advice and the pages fault in as before.
+fn prefault(buf: &mut Vec<u8>) {
+    #[cfg(target_os = "linux")]
+    {
+        const PAGE: usize = 4096;
+        let start = buf.as_mut_ptr() as usize;
+        let first = start.next_multiple_of(PAGE);
+        let end = (start + buf.capacity()) / PAGE * PAGE;
+        if end > first {
+            // SAFETY: [first, end) lies inside `buf`'s allocation; the advice only maps pages
+            // (zero-filled), it never changes what the program can observe.
+            unsafe {
+                libc::madvise(
+                    first as *mut libc::c_void,
+                    end - first,
+                    libc::MADV_POPULATE_WRITE,
+                );
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = buf;
 }
 
 impl ConversationCache {
@@ -99,6 +130,7 @@ impl ConversationCache {
             block_size: layout.block_size as usize,
             block_bytes,
             scratch: Vec::new(),
+            spare: None,
             stats,
         };
         cache.refresh_sizes();
@@ -115,6 +147,7 @@ impl ConversationCache {
             block_size,
             block_bytes,
             scratch: Vec::new(),
+            spare: None,
             stats: CacheStats::default(),
         }
     }
@@ -281,18 +314,24 @@ impl ConversationCache {
             if let Err(why) = self.demote(hash, &old.tokens, &old.data) {
                 log::warn!(target: LOG, "skip move of {} tokens from host to disk: {why}", old.tokens.len());
             }
+            if old.data.len() == self.block_bytes {
+                self.spare = Some(old.data);
+            }
         }
-        // The RAM gate admitted the whole batch already: this is the allocation itself.
+        // The RAM gate admitted the whole batch already: this is the allocation itself (a reused
+        // buffer counts as one, so that injected faults fail the same moves either way).
         if self.fault(FaultKind::Alloc) {
             return Err("allocation failed (injected fault)".into());
         }
-        let mut buf = zeroed_block(self.block_bytes)?;
+        let mut buf = match self.spare.take() {
+            Some(b) => b,
+            None => zeroed_block(self.block_bytes)?.into_boxed_slice(),
+        };
         if self.fault(FaultKind::CopyOut) {
             return Err("copy failed (injected fault)".into());
         }
         kv.read_block(e.block, &mut buf);
-        self.host
-            .insert(e.hash, e.tokens.clone(), buf.into_boxed_slice());
+        self.host.insert(e.hash, e.tokens.clone(), buf);
         Ok(())
     }
 
