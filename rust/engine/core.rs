@@ -159,6 +159,9 @@ impl EngineCore {
         if self.inject_fault {
             panic!("injected fault");
         }
+        // The step's time covers scheduling too: admission's cache lookups and restores, and the
+        // offload of evicted blocks, are the engine's work, not the stream's.
+        let started = Instant::now();
         self.drop_cancelled();
         let plan = self
             .scheduler
@@ -178,7 +181,6 @@ impl EngineCore {
             self.send_outbox();
             return Ok(self.is_idle());
         }
-        let started = Instant::now();
         let rows = self.forward(&plan)?;
         self.scheduler.commit(&plan, &mut self.runner.kv);
         self.sample_and_emit(rows)?;

@@ -58,6 +58,8 @@ pub struct EngineStats {
     pub refused: u64,
     pub steps: u64,
     pub step_tokens: u64,
+    /// A step's time: scheduling (with the cache moves it makes), the forward, sampling and
+    /// detokenizing; not the hand-over of its deltas to the streams.
     pub last_step_seconds: f64,
     pub step_seconds: Histogram,
     /// Arrival to first token, per sequence.
