@@ -124,3 +124,20 @@ async def test_a_new_event_loop_after_the_old_one_closed_still_gets_chunks(
         assert await asyncio.to_thread(twice) == [expected, expected]
     finally:
         await engine.close()
+
+
+async def test_many_streams_on_one_loop_all_finish(model_dir: MakeModel) -> None:
+    """Many streams, many short steps: a wake-up lost between the engine's ring and the loop's
+    drain would leave streams waiting forever (this test caught one), so it must finish."""
+    model = model_dir("llama")
+    engine = await Engine.load(model, max_batch=32, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        for round_ in range(3):
+            streams = [
+                engine.generate([3 + i, 4 + round_], max_tokens=150, temperature=0, ignore_eos=True)
+                for i in range(48)
+            ]
+            outs = await asyncio.wait_for(asyncio.gather(*(read_all(s) for s in streams)), 120)
+            assert [len(o) for o in outs] == [150] * 48
+    finally:
+        await engine.close()

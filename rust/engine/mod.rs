@@ -30,6 +30,7 @@ use scheduler::Scheduler;
 use stats::EngineStats;
 
 pub mod core;
+pub mod doorbell;
 pub mod request;
 pub mod runner;
 pub mod sampler;

@@ -5,52 +5,21 @@
 //! wake-ups per token and stream, each taking CPU from the compute threads on a small machine
 //! (measured: the engine spent 30–60 µs per step waking that chain).
 //!
-//! Now the event loop's thread polls the channels itself. Each loop has one dispatcher: an
-//! eventfd that the loop watches (`add_reader`), and a waker (the doorbell) that tokio's channel
-//! calls when the engine sends. The doorbell signals the eventfd, only when no signal is
-//! outstanding, so a step that feeds 64 streams of one loop wakes that loop once; its `drain`
-//! then polls every waiting stream and settles their futures, holding the GIL it already has. No
-//! Rust thread ever attaches to Python on this path, so it cannot touch an exiting interpreter.
-//!
-//! Why an eventfd and not a socket pair or a pipe: those wake their reader "synchronously", a
-//! hint that makes Linux run the woken event loop on the engine thread's core, pre-empting the
-//! engine (measured: 25 µs per step with a core free). An eventfd wakes it like any other thread.
+//! Now the event loop's thread polls the channels itself. Each loop has one dispatcher, with a
+//! `Doorbell` (an eventfd, `rust/engine/doorbell.rs`) that the loop watches (`add_reader`) and
+//! that tokio's channels ring, as their waker, when the engine sends. When it fires, `drain`
+//! polls every waiting stream and settles their futures, holding the GIL it already has. No Rust
+//! thread ever attaches to Python on this path, so it cannot touch an exiting interpreter.
 
-use std::fs::File;
-use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Waker};
 
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
 use super::stream::StreamShared;
-
-/// Rung by the engine thread (through tokio's channel waker) when a waiting stream may have
-/// something: wakes the event loop unless a wake-up is already on its way.
-struct Doorbell {
-    eventfd: File,
-    rung: AtomicBool,
-}
-
-impl Wake for Doorbell {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        if !self.rung.swap(true, SeqCst) {
-            // Non-blocking; the counter cannot overflow with one signal outstanding. A failure
-            // here would leave the loop asleep, so it is not expected to happen silently.
-            if let Err(e) = (&self.eventfd).write(&1u64.to_ne_bytes()) {
-                log::error!("stream wake-up failed: {e}");
-            }
-        }
-    }
-}
+use crate::engine::doorbell::Doorbell;
 
 /// An `__anext__` whose future is not settled yet.
 struct Waiting {
@@ -71,18 +40,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl LoopDispatcher {
     fn new() -> std::io::Result<Self> {
-        // SAFETY: eventfd has no memory arguments; the descriptor it returns is owned here only.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor nothing else owns.
-        let eventfd = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
         Ok(LoopDispatcher {
-            doorbell: Arc::new(Doorbell {
-                eventfd,
-                rung: AtomicBool::new(false),
-            }),
+            doorbell: Arc::new(Doorbell::new()?),
             waiting: Mutex::new(Vec::new()),
         })
     }
@@ -128,10 +87,7 @@ fn settle(future: &Bound<'_, PyAny>, outcome: PyResult<Py<PyAny>>) -> PyResult<(
 impl LoopDispatcher {
     /// The event loop's reader callback: polls every waiting stream, settles what is ready.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        // Cleared before the streams are polled: a send after this point rings again.
-        self.doorbell.rung.store(false, SeqCst);
-        // Resets the counter; nothing to read (WouldBlock) is fine too.
-        let _ = (&self.doorbell.eventfd).read(&mut [0u8; 8]);
+        self.doorbell.reset();
         let waker = Waker::from(self.doorbell.clone());
         let mut cx = Context::from_waker(&waker);
         let waiting = std::mem::take(&mut *lock(&self.waiting));
@@ -216,7 +172,7 @@ pub fn dispatcher_for<'py>(event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py
     }
     let dispatcher = LoopDispatcher::new()
         .map_err(|e| PyOSError::new_err(format!("cannot create a stream wake-up eventfd: {e}")))?;
-    let fd = dispatcher.doorbell.eventfd.as_raw_fd();
+    let fd = dispatcher.doorbell.fd();
     let dispatcher = Bound::new(py, dispatcher)?;
     event_loop.call_method1("add_reader", (fd, dispatcher.getattr("drain")?))?;
     registry.set_item(event_loop, &dispatcher)?;
