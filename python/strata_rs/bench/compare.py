@@ -522,6 +522,8 @@ async def _load_engine(spec: CompareSpec) -> Engine:
         "threads": spec.threads,
         "max_context": need,
         "max_batch": max([8, *spec.streams]),
+        # No disk tier: a run's prompts would be restored by the next run.
+        "disk_cache_mib": 0,
     }
     engine = await Engine.load(spec.model, **opts)
     info = engine.info

@@ -219,9 +219,12 @@ async def run_http(
         "threads": threads,
         "max_batch": streams,
         "max_context": 4096,
+        # No disk tier on either side: a run's prompts would be restored by the next run.
+        "disk_cache_mib": 0,
     }
     argv = [sys.executable, "-m", "strata_rs.cli", "serve", "--model", model, "--port", "0"]
     argv += ["--device", device, "--max-batch", str(streams), "--max-context", "4096"]
+    argv += ["--disk-cache-mib", "0"]
     if threads is not None:
         argv += ["--threads", str(threads)]
     server = _ServerProcess(argv)

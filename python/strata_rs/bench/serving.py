@@ -120,8 +120,15 @@ async def run_serving(
     ttft_prompt: int = 256,
     rounds: int = 3,
 ) -> dict[str, Any]:
+    # No disk tier: it would keep this run's prompts for the next run, whose "fresh" TTFT prompts
+    # (the same seeds) would then be restored instead of read.
     engine = await Engine.load(
-        model, device=device, threads=threads, max_batch=max(max(streams), 8), max_context=4096
+        model,
+        device=device,
+        threads=threads,
+        max_batch=max(max(streams), 8),
+        max_context=4096,
+        disk_cache_mib=0,
     )
     try:
         vocab = engine.info["vocab_size"]
