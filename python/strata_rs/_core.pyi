@@ -181,7 +181,11 @@ class StreamChunk:
 
 class TokenStream(AsyncIterator[StreamChunk]):
     """The chunks of one request. Dropping it (break, a cancelled task) cancels the request; the
-    engine frees its blocks at its next step. Raises EngineStopped if the engine closes first."""
+    engine frees its blocks at its next step. Raises EngineStopped if the engine closes first.
+
+    Read it on a running event loop (asyncio or uvloop, in any thread): each loop's chunks are
+    polled on that loop's own thread when the engine signals it. Concurrent `__anext__` calls
+    get the chunks in call order; a call cancelled while it waits (a timeout) loses nothing."""
 
     def __aiter__(self) -> TokenStream: ...
     def __anext__(self) -> Awaitable[StreamChunk]: ...
