@@ -55,18 +55,20 @@ impl LoopDispatcher {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = event_loop.py();
         let future = event_loop.call_method0("create_future")?;
-        let mut waiting = lock(&self.waiting);
+        // No lock is held while Python runs (building a chunk may run a finalizer that reads
+        // another stream). Only this loop's thread touches the list, so nothing slips between.
         // Behind an earlier pending call on the same stream: its turn comes first.
-        let queued = waiting.iter().any(|w| Arc::ptr_eq(&w.stream, stream));
+        let queued = lock(&self.waiting)
+            .iter()
+            .any(|w| Arc::ptr_eq(&w.stream, stream));
         if !queued {
             let waker = Waker::from(self.doorbell.clone());
             if let Poll::Ready(outcome) = stream.poll_chunk(py, &mut Context::from_waker(&waker)) {
-                drop(waiting);
                 settle(&future, outcome)?;
                 return Ok(future);
             }
         }
-        waiting.push(Waiting {
+        lock(&self.waiting).push(Waiting {
             stream: stream.clone(),
             future: future.clone().unbind(),
         });
@@ -139,14 +141,15 @@ pub fn current_dispatcher<'py>(
     } else {
         running
     };
-    let mut last = lock(last);
-    if let Some((l, d)) = last.as_ref() {
-        if l.bind(py).is(&event_loop) {
-            return Ok((event_loop, d.bind(py).clone()));
-        }
+    let known = lock(last)
+        .as_ref()
+        .filter(|(l, _)| l.bind(py).is(&event_loop))
+        .map(|(_, d)| d.clone_ref(py));
+    if let Some(d) = known {
+        return Ok((event_loop, d.into_bound(py)));
     }
     let dispatcher = dispatcher_for(&event_loop)?;
-    *last = Some((event_loop.clone().unbind(), dispatcher.clone().unbind()));
+    *lock(last) = Some((event_loop.clone().unbind(), dispatcher.clone().unbind()));
     Ok((event_loop, dispatcher))
 }
 

@@ -44,8 +44,15 @@ impl StreamShared {
     /// The next chunk as a Python object (`StopAsyncIteration` at the end), or `Pending` with
     /// `cx`'s waker registered on the channel.
     pub fn poll_chunk(&self, py: Python<'_>, cx: &mut Context<'_>) -> Poll<PyResult<Py<PyAny>>> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        state.poll_next_delta(cx).map(|next| match next {
+        // The lock is let go before the chunk is built: building it runs Python.
+        let next = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match state.poll_next_delta(cx) {
+                Poll::Ready(next) => next,
+                Poll::Pending => return Poll::Pending,
+            }
+        };
+        Poll::Ready(match next {
             Ok(Some(d)) => {
                 Ok(Py::new(py, chunk(py, &self.tokenizer, d, self.want_logprobs)?)?.into_any())
             }
