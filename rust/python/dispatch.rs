@@ -95,11 +95,20 @@ impl LoopDispatcher {
         let waiting = std::mem::take(&mut *lock(&self.waiting));
         let mut kept = Vec::with_capacity(waiting.len());
         let mut blocked: Vec<Arc<StreamShared>> = Vec::new();
+        // A Python error settling one future must not strand the others: it is raised (and
+        // logged by the loop) after every entry was seen.
+        let mut first_error = None;
         for w in waiting {
             let future = w.future.bind(py);
             // Cancelled by its caller (a timeout, a cancelled task): the chunk stays queued.
-            if future.call_method0("done")?.is_truthy()? {
-                continue;
+            match future.call_method0("done").and_then(|d| d.is_truthy()) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    kept.push(w);
+                    continue;
+                }
             }
             // A stream's later call waits until its earlier one is settled.
             if blocked.iter().any(|s| Arc::ptr_eq(s, &w.stream)) {
@@ -107,7 +116,11 @@ impl LoopDispatcher {
                 continue;
             }
             match w.stream.poll_chunk(py, &mut cx) {
-                Poll::Ready(outcome) => settle(future, outcome)?,
+                Poll::Ready(outcome) => {
+                    if let Err(e) = settle(future, outcome) {
+                        first_error.get_or_insert(e);
+                    }
+                }
                 Poll::Pending => {
                     blocked.push(w.stream.clone());
                     kept.push(w);
@@ -118,7 +131,7 @@ impl LoopDispatcher {
         let mut waiting = lock(&self.waiting);
         kept.append(&mut waiting);
         *waiting = kept;
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 }
 
