@@ -113,14 +113,6 @@ struct Sample {
     admitted: u64,
 }
 
-impl Clone for RamGate {
-    /// The same gate with no reading yet.
-    fn clone(&self) -> Self {
-        RamGate::with_paths(self.meminfo.clone(), self.cgroup.clone(), self.floor)
-            .with_sample_ttl(self.sample_ttl)
-    }
-}
-
 /// Why the gate refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RamRefusal {

@@ -30,6 +30,8 @@ struct Waiting {
 #[pyclass(frozen)]
 pub struct LoopDispatcher {
     doorbell: Arc<Doorbell>,
+    /// The doorbell as the waker every waiting stream's channel holds.
+    waker: Waker,
     /// In `__anext__` order, so that two pending calls on one stream get its chunks in order.
     waiting: Mutex<Vec<Waiting>>,
 }
@@ -40,8 +42,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl LoopDispatcher {
     fn new() -> std::io::Result<Self> {
+        let doorbell = Arc::new(Doorbell::new()?);
         Ok(LoopDispatcher {
-            doorbell: Arc::new(Doorbell::new()?),
+            waker: Waker::from(doorbell.clone()),
+            doorbell,
             waiting: Mutex::new(Vec::new()),
         })
     }
@@ -62,8 +66,8 @@ impl LoopDispatcher {
             .iter()
             .any(|w| Arc::ptr_eq(&w.stream, stream));
         if !queued {
-            let waker = Waker::from(self.doorbell.clone());
-            if let Poll::Ready(outcome) = stream.poll_chunk(py, &mut Context::from_waker(&waker)) {
+            let mut cx = Context::from_waker(&self.waker);
+            if let Poll::Ready(outcome) = stream.poll_chunk(py, &mut cx) {
                 settle(&future, outcome)?;
                 return Ok(future);
             }
@@ -90,8 +94,7 @@ impl LoopDispatcher {
     /// The event loop's reader callback: polls every waiting stream, settles what is ready.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         self.doorbell.reset();
-        let waker = Waker::from(self.doorbell.clone());
-        let mut cx = Context::from_waker(&waker);
+        let mut cx = Context::from_waker(&self.waker);
         let waiting = std::mem::take(&mut *lock(&self.waiting));
         let mut kept = Vec::with_capacity(waiting.len());
         let mut blocked: Vec<Arc<StreamShared>> = Vec::new();
