@@ -1,5 +1,5 @@
 //! One decode step of a smollm-135m-shaped bf16 model (random weights) at context 512: the whole
-//! forward pass as generation runs it, one token, logits of that token.
+//! forward pass as generation runs it, for 1 and for 8 sequences (one token and its logits each).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use strata_rs::engine::runner::ModelRunner;
@@ -19,34 +19,50 @@ fn decode_step(c: &mut Criterion) {
     let vocab = model.config.vocab_size;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    let mut runner = ModelRunner::new(model, 64, 16, 512, threads, kv_dtype).expect("runner");
+    let mut runner = ModelRunner::new(model, 8 * 33, 16, 512, threads, kv_dtype).expect("runner");
 
     let context = 512;
-    let table = runner.allocate(context + 1).expect("blocks");
     let prompt: Vec<u32> = (0..context as u32)
         .map(|i| (i * 7919) % vocab as u32)
         .collect();
-    let mut out = vec![0.0f32; vocab];
-    runner
-        .prefill(&prompt, 0, &table, LogitsWanted::Last, &mut out)
-        .expect("prefill");
+    let mut out = vec![0.0f32; vocab * 8];
+    // Eight sequences with the same history: batch 1 decodes the first, batch 8 all of them.
+    let mut tables = Vec::new();
+    for _ in 0..8 {
+        let table = runner.allocate(context + 1).expect("blocks");
+        runner
+            .prefill(&prompt, 0, &table, LogitsWanted::Last, &mut out[..vocab])
+            .expect("prefill");
+        tables.push(table);
+    }
 
     let mut group = c.benchmark_group("decode_step");
     group.sample_size(20);
     group.measurement_time(std::time::Duration::from_secs(4));
-    group.throughput(Throughput::Bytes(weight_bytes as u64));
-    group.bench_function("smollm-135m bf16, context 512", |b| {
-        b.iter(|| {
-            // Re-decodes position `context` each time: same work, and the K/V stays bounded.
-            let batch = [SeqChunk {
-                tokens: &[42],
-                start_pos: context,
-                block_table: &table,
-                logits: LogitsWanted::Last,
-            }];
-            runner.step(&batch, &mut out).expect("step")
-        })
-    });
+    for batch in [1usize, 8] {
+        // Throughput in weight bytes per step: batch 8 reads the weights once for 8 tokens.
+        group.throughput(Throughput::Bytes(weight_bytes as u64));
+        group.bench_function(
+            format!("smollm-135m bf16, context 512, batch {batch}"),
+            |b| {
+                b.iter(|| {
+                    // Re-decodes position `context` each time: same work, and the K/V stays bounded.
+                    let chunks: Vec<SeqChunk> = tables[..batch]
+                        .iter()
+                        .map(|table| SeqChunk {
+                            tokens: &[42],
+                            start_pos: context,
+                            block_table: table,
+                            logits: LogitsWanted::Last,
+                        })
+                        .collect();
+                    runner
+                        .step(&chunks, &mut out[..vocab * batch])
+                        .expect("step")
+                })
+            },
+        );
+    }
     group.finish();
 }
 

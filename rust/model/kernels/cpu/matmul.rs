@@ -11,7 +11,9 @@
 //! Two drivers share that arithmetic:
 //! - **Stream** (`n <= SMALL_N_MAX` tokens): memory-bandwidth bound. Output rows are split into
 //!   coarse rayon tasks; every weight row is streamed from memory once, widened to f32 in
-//!   registers and dotted against all `n` input rows.
+//!   registers and dotted against all `n` input rows. On AVX-512, 4-row x 4-token register
+//!   tiles; for 5..=16 tokens and rows of at most 768 columns, 3-row x 8-token tiles, which
+//!   widen each weight vector once per 8 tokens (n = 8, [1536, 576] bf16: 64 against 73 us).
 //! - **Panels** (larger `n`): compute bound. Weights are widened (bf16/f16) or copied (f32) one
 //!   panel of rows at a time into a 64-byte aligned per-task f32 scratch panel (allocated once in
 //!   [`MatmulScratch`]; widening is exact, so the arithmetic is unchanged), which stays in L2
@@ -577,9 +579,11 @@ mod x86 {
                 reduce(&acc)
             }
 
-            /// Stream driver: rows `r0..r1` for all `n` tokens. Each group of 4 weight rows is
-            /// read once, against tiles of up to 4 tokens (4x4 accumulators + 4 weight vectors
-            /// fit in 32 zmm).
+            /// Stream driver: rows `r0..r1` for all `n` tokens, each group of weight rows read
+            /// from memory once. Up to 4 tokens: groups of 4 rows (4x4 accumulators + 4 weight
+            /// vectors fit in 32 zmm). More tokens: groups of 3 rows against tiles of up to 8
+            /// tokens (24 accumulators), so that a weight vector is widened once per 8 tokens,
+            /// not once per 4 (widening takes a shuffle-port uop that the FMAs also need).
             #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
             pub(super) unsafe fn $rows(
                 w: *const $elem,
@@ -590,27 +594,47 @@ mod x86 {
                 n: usize,
                 out: Out,
             ) {
+                // One R-row group against token tiles of up to T tokens (T <= 8).
+                macro_rules! group {
+                    ($R:literal, $T:literal, $wr:expr, $r:expr) => {{
+                        let mut t = 0;
+                        while t < n {
+                            let xt = x.add(t * k);
+                            let tt = (n - t).min($T);
+                            match tt {
+                                1 => out.store(&$block::<$R, 1>($wr, k, xt), t, $r),
+                                2 => out.store(&$block::<$R, 2>($wr, k, xt), t, $r),
+                                3 => out.store(&$block::<$R, 3>($wr, k, xt), t, $r),
+                                4 => out.store(&$block::<$R, 4>($wr, k, xt), t, $r),
+                                5 => out.store(&$block::<$R, 5>($wr, k, xt), t, $r),
+                                6 => out.store(&$block::<$R, 6>($wr, k, xt), t, $r),
+                                7 => out.store(&$block::<$R, 7>($wr, k, xt), t, $r),
+                                _ => out.store(&$block::<$R, 8>($wr, k, xt), t, $r),
+                            }
+                            t += tt;
+                        }
+                    }};
+                }
+                // 8-token tiles while 8 token rows stay in L1 beside the weights (k <= 768:
+                // 24 KiB); past that the x traffic of 3-row groups outweighs what they save.
+                let wide = n > 4 && n <= 16 && k <= WIDE_TILE_MAX_K;
                 let mut r = r0;
                 while r < r1 {
-                    let four = r1 - r >= 4;
                     let wr = w.add(r * k);
-                    let mut t = 0;
-                    while t < n {
-                        let xt = x.add(t * k);
-                        let tt = (n - t).min(4);
-                        match (four, tt) {
-                            (true, 1) => out.store(&$block::<4, 1>(wr, k, xt), t, r),
-                            (true, 2) => out.store(&$block::<4, 2>(wr, k, xt), t, r),
-                            (true, 3) => out.store(&$block::<4, 3>(wr, k, xt), t, r),
-                            (true, _) => out.store(&$block::<4, 4>(wr, k, xt), t, r),
-                            (false, 1) => out.store(&$block::<1, 1>(wr, k, xt), t, r),
-                            (false, 2) => out.store(&$block::<1, 2>(wr, k, xt), t, r),
-                            (false, 3) => out.store(&$block::<1, 3>(wr, k, xt), t, r),
-                            (false, _) => out.store(&$block::<1, 4>(wr, k, xt), t, r),
-                        }
-                        t += tt;
+                    let left = r1 - r;
+                    if wide && left >= 3 {
+                        group!(3, 8, wr, r);
+                        r += 3;
+                    } else if wide {
+                        group!(1, 8, wr, r);
+                        r += 1;
+                    } else if left >= 4 {
+                        group!(4, 4, wr, r);
+                        r += 4;
+                    } else {
+                        group!(1, 4, wr, r);
+                        r += 1;
                     }
-                    r += if four { 4 } else { 1 };
                 }
             }
         };
@@ -640,6 +664,9 @@ mod x86 {
         l512_f32,
         l512m_f32
     );
+
+    /// Longest rows for which the stream driver uses 3-row x 8-token tiles (see `$rows`).
+    const WIDE_TILE_MAX_K: usize = 768;
 
     /// The panel driver's register tile: PANEL_R weight rows x PANEL_T tokens.
     const PANEL_R: usize = 4;
@@ -1255,14 +1282,21 @@ mod tests {
     }
 
     /// A token's output row is bitwise the same whatever else shares the call: n = 1 (decode),
-    /// 5, 32 (the last stream-driver size), 33, 64, 65 and 300 (panel driver; at 300, two token
-    /// blocks), at varying places among random neighbours, on 1 to 3 threads; every dtype,
-    /// every ISA this CPU has, with and without bias. k = 1100 has a masked (AVX-512) and a
-    /// scalar (AVX2) tail and takes two column passes; m = 45 ends in single-row blocks.
+    /// 5, 8, 9, 16 (the stream driver's 8-token tiles when k <= 768), 32 (the last
+    /// stream-driver size), 33, 64, 65 and 300 (panel driver; at 300, two token blocks), at
+    /// varying places among random neighbours, on 1 to 3 threads; every dtype, every ISA this
+    /// CPU has, with and without bias. k = 1100 has a masked (AVX-512) and a scalar (AVX2) tail
+    /// and takes two column passes; k = 700 takes the 8-token tiles (also with a tail); m = 45
+    /// ends in single-row blocks of both row-group sizes (4 and 3).
     #[test]
     fn linear_rows_are_batch_invariant() {
-        let (m, k) = (45, 1100);
-        let mut rng = Rng(21);
+        for k in [1100, 700] {
+            rows_are_batch_invariant(45, k);
+        }
+    }
+
+    fn rows_are_batch_invariant(m: usize, k: usize) {
+        let mut rng = Rng(21 + k as u64);
         let target = rng.vec(k);
         let wf = rng.vec(m * k);
         let bias = rng.vec(m);
@@ -1286,7 +1320,10 @@ mod tests {
                     let mut scratch = MatmulScratch::with_panel_rows(3, k, 16);
                     linear_with(isa, &target, 1, w, bias, &mut alone, &mut scratch);
                     check(&target, 1, w, bias, &alone);
-                    for (i, &n) in [1usize, 5, 32, 33, 64, 65, 300].iter().enumerate() {
+                    for (i, &n) in [1usize, 5, 8, 9, 16, 32, 33, 64, 65, 300]
+                        .iter()
+                        .enumerate()
+                    {
                         for at in [0, n / 2, n - 1, (7 * i + 3) % n] {
                             let mut x = rng.vec(n * k);
                             x[at * k..(at + 1) * k].copy_from_slice(&target);
