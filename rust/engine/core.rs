@@ -50,10 +50,15 @@ pub struct EngineCore {
     entropy: u64,
     /// Deltas of the step in progress: sent after its stats are published, so that a caller
     /// who sees its request end also sees the blocks it freed.
-    outbox: Vec<(UnboundedSender<Event>, Event)>,
+    outbox: Vec<Addressed>,
+    /// Deltas handed to the compute threads to send (see `deliver`), in step order.
+    delivery: Arc<Mutex<Vec<Addressed>>>,
     /// Set by `Engine::inject_fault`: the next step panics.
     pub inject_fault: bool,
 }
+
+/// An event and the stream it goes to.
+type Addressed = (UnboundedSender<Event>, Event);
 
 impl EngineCore {
     #[allow(clippy::too_many_arguments)]
@@ -85,6 +90,7 @@ impl EngineCore {
             stats,
             entropy,
             outbox: Vec::new(),
+            delivery: Arc::new(Mutex::new(Vec::new())),
             inject_fault: false,
         }
     }
@@ -178,22 +184,38 @@ impl EngineCore {
         }
         if plan.is_empty() {
             self.publish_stats(None, &plan);
-            self.send_outbox();
+            self.deliver();
             return Ok(self.is_idle());
         }
         let rows = self.forward(&plan)?;
         self.scheduler.commit(&plan, &mut self.runner.kv);
         self.sample_and_emit(rows)?;
         self.publish_stats(Some(started.elapsed()), &plan);
-        self.send_outbox();
+        self.deliver();
         Ok(true)
     }
 
-    fn send_outbox(&mut self) {
-        for (to, event) in self.outbox.drain(..) {
-            // A closed stream is noticed at the next step's cancellation sweep.
-            let _ = to.send(event);
+    /// Hands the step's deltas to a compute thread, which sends them. Sending wakes the
+    /// consumers' event loops, and the woken Python thread tends to preempt the thread that
+    /// woke it: on the engine thread that holds up the next step's scheduling for as long as
+    /// Python handles its chunks (25-50 us a step on 2 busy cores); on a compute thread, idle
+    /// between forwards, the two overlap. One queue, drained in order under its lock, keeps
+    /// every stream's events in step order whichever thread runs which job.
+    fn deliver(&mut self) {
+        if self.outbox.is_empty() {
+            return;
         }
+        lock(&self.delivery).append(&mut self.outbox);
+        let queue = Arc::clone(&self.delivery);
+        self.runner.spawn(move || send_all(&mut lock(&queue)));
+    }
+
+    /// Sends the step's deltas from this thread, after any still queued for delivery: for the
+    /// last events before the engine stops, which must not wait on the compute threads.
+    fn send_outbox(&mut self) {
+        let mut queue = lock(&self.delivery);
+        queue.append(&mut self.outbox);
+        send_all(&mut queue);
     }
 
     /// Runs the model over the planned chunks; returns the sequences (in plan order) that got a
@@ -438,4 +460,17 @@ fn splitmix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+/// Sends queued events in order. A closed stream is noticed at the next step's cancellation
+/// sweep, so a failed send needs nothing here.
+fn send_all(queue: &mut Vec<Addressed>) {
+    for (to, event) in queue.drain(..) {
+        let _ = to.send(event);
+    }
+}
+
+/// The delivery queue holds plain data, whole after any panic: a poisoned lock is still usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -49,6 +49,11 @@ impl ModelRunner {
         self.pool.install(f)
     }
 
+    /// Runs `f` on one of the compute threads, without waiting for it.
+    pub fn spawn(&self, f: impl FnOnce() + Send + 'static) {
+        self.pool.spawn(f)
+    }
+
     /// One forward step on the runner's compute threads.
     pub fn step(&mut self, batch: &[SeqChunk], out: &mut [f32]) -> Result<usize> {
         let ModelRunner {

@@ -8,7 +8,7 @@ use crate::error::{Result, StrataError};
 use crate::kv::blocks::BlockPool;
 use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch};
 use crate::model::kernels::cpu::embedding::embed;
-use crate::model::kernels::cpu::matmul::{linear, MatmulScratch};
+use crate::model::kernels::cpu::matmul::{linear, linear_group, LinearOut, MatmulScratch};
 use crate::model::kernels::cpu::rmsnorm::{rmsnorm, rmsnorm_inplace};
 use crate::model::kernels::cpu::swiglu::silu_mul;
 use crate::model::Model;
@@ -170,9 +170,24 @@ impl Model {
         for (li, l) in self.layers.iter().enumerate() {
             // Attention block.
             rmsnorm(x, &l.attn_norm, c.rms_norm_eps, xn);
-            linear(xn, n, l.q_proj.matrix(), l.q_bias.as_deref(), q, mm);
-            linear(xn, n, l.k_proj.matrix(), l.k_bias.as_deref(), k, mm);
-            linear(xn, n, l.v_proj.matrix(), l.v_bias.as_deref(), v, mm);
+            let qkv = &mut [
+                LinearOut {
+                    w: l.q_proj.matrix(),
+                    bias: l.q_bias.as_deref(),
+                    y: &mut *q,
+                },
+                LinearOut {
+                    w: l.k_proj.matrix(),
+                    bias: l.k_bias.as_deref(),
+                    y: &mut *k,
+                },
+                LinearOut {
+                    w: l.v_proj.matrix(),
+                    bias: l.v_bias.as_deref(),
+                    y: &mut *v,
+                },
+            ];
+            linear_group(xn, n, qkv, mm);
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 rmsnorm_inplace(q, qn, c.rms_norm_eps);
                 rmsnorm_inplace(k, kn, c.rms_norm_eps);
@@ -206,8 +221,19 @@ impl Model {
 
             // MLP block.
             rmsnorm(x, &l.mlp_norm, c.rms_norm_eps, xn);
-            linear(xn, n, l.gate_proj.matrix(), None, gate, mm);
-            linear(xn, n, l.up_proj.matrix(), None, up, mm);
+            let gate_up = &mut [
+                LinearOut {
+                    w: l.gate_proj.matrix(),
+                    bias: None,
+                    y: &mut *gate,
+                },
+                LinearOut {
+                    w: l.up_proj.matrix(),
+                    bias: None,
+                    y: &mut *up,
+                },
+            ];
+            linear_group(xn, n, gate_up, mm);
             silu_mul(gate, up);
             linear(gate, n, l.down_proj.matrix(), None, xn, mm);
             add_in_place(x, xn);

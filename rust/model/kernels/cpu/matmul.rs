@@ -96,15 +96,76 @@ pub fn linear(
     linear_with(isa, x, n, w, bias, y, scratch);
 }
 
-fn linear_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: MatRef,
-    bias: Option<&[f32]>,
-    y: &mut [f32],
-    scratch: &mut MatmulScratch,
-) {
+/// One product of a [`linear_group`] call: `y = x · wᵀ (+ bias)`, `y` being `[n, w.rows]`.
+pub struct LinearOut<'w, 'y> {
+    pub w: MatRef<'w>,
+    pub bias: Option<&'w [f32]>,
+    pub y: &'y mut [f32],
+}
+
+/// Most products in one [`linear_group`] call.
+pub const GROUP_MAX: usize = 4;
+
+/// Several products of the same input (`q`, `k` and `v`; `gate` and `up`): each output as
+/// [`linear`] computes it, to the bit. For a few tokens (the stream driver), all the products'
+/// row chunks go to the threads as one parallel loop: one fork and join per group instead of
+/// one per matrix, which is most of a small matrix's time at decode.
+pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut MatmulScratch) {
+    assert!(
+        outs.len() <= GROUP_MAX,
+        "linear_group: more than {GROUP_MAX} products"
+    );
+    let k = outs.first().map_or(0, |o| o.w.cols);
+    let streamed = n > 0 && n <= SMALL_N_MAX && k > 0 && outs.iter().all(|o| o.w.cols == k);
+    if !streamed {
+        for o in outs.iter_mut() {
+            linear(x, n, o.w, o.bias, o.y, scratch);
+        }
+        return;
+    }
+    // Task chunks sized for the group's total rows, so that the threads stay balanced across it.
+    let total_rows: usize = outs.iter().map(|o| o.w.rows).sum();
+    let elem_bytes = match outs[0].w.data {
+        WeightData::F32(_) => 4,
+        _ => 2,
+    };
+    let rpt = rows_per_task(total_rows, k, elem_bytes);
+    // What the tasks need of each product, copied out: the tasks write through `y`'s pointer,
+    // so they must not hold a reference to the `&mut` slice itself.
+    let mut jobs: [Option<GroupJob>; GROUP_MAX] = [None; GROUP_MAX];
+    let mut first_task = [0usize; GROUP_MAX + 1];
+    for (i, o) in outs.iter_mut().enumerate() {
+        check_shapes(x, n, o.w, o.bias, o.y);
+        let isa = Isa::detect(matches!(o.w.data, WeightData::F16(_)));
+        jobs[i] = Some((isa, o.w, o.bias, SendPtr(o.y.as_mut_ptr())));
+        first_task[i + 1] = first_task[i] + o.w.rows.div_ceil(rpt);
+    }
+    let products = outs.len();
+    let work = |ti: usize| {
+        let i = (0..products).rfind(|&i| first_task[i] <= ti).unwrap_or(0);
+        let Some((isa, w, bias, yp)) = jobs[i] else {
+            return;
+        };
+        let r0 = (ti - first_task[i]) * rpt;
+        let r1 = (r0 + rpt).min(w.rows);
+        let out = Out {
+            y: yp.get(),
+            m: w.rows,
+            bias,
+        };
+        // SAFETY: shapes were checked above; rows r0..r1 of every token's output of product i
+        // belong to this task alone.
+        unsafe { rows_dispatch(isa, w.data, k, r0, r1, x, n, out, Tile::Stream) }
+    };
+    (0..first_task[products]).into_par_iter().for_each(work);
+}
+
+/// One product of a group as its tasks see it: ISA, weights, bias, output pointer.
+type GroupJob<'w> = (Isa, MatRef<'w>, Option<&'w [f32]>, SendPtr);
+
+/// Panics (a caller bug, never input) unless `x` is `[n, k]`, `y` is `[n, m]`, the weight data
+/// holds `[m, k]` and the bias `[m]`.
+fn check_shapes(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &[f32]) {
     let (m, k) = (w.rows, w.cols);
     assert_eq!(x.len(), n * k, "linear: x is not [n, k]");
     assert_eq!(y.len(), n * m, "linear: y is not [n, m]");
@@ -117,6 +178,19 @@ fn linear_with(
     if let Some(b) = bias {
         assert_eq!(b.len(), m, "linear: bias is not [rows]");
     }
+}
+
+fn linear_with(
+    isa: Isa,
+    x: &[f32],
+    n: usize,
+    w: MatRef,
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let (m, k) = (w.rows, w.cols);
+    check_shapes(x, n, w, bias, y);
     if n == 0 || m == 0 {
         return;
     }
@@ -1339,6 +1413,80 @@ mod tests {
                                     pool.current_num_threads()
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A group's outputs equal, to the bit, each product computed alone by `linear`: products
+    /// of different heights (one ending in single-row blocks), with and without bias, every
+    /// dtype, at decode and stream sizes (one parallel loop over the group) and past them
+    /// (one call per product), on 1 to 3 threads. An empty group is a no-op.
+    #[test]
+    fn linear_group_equals_separate_products() {
+        let k = 96;
+        let heights = [45usize, 16, 7, 130];
+        let mut rng = Rng(33);
+        let wf: Vec<Vec<f32>> = heights.iter().map(|&m| rng.vec(m * k)).collect();
+        let biases: Vec<Vec<f32>> = heights.iter().map(|&m| rng.vec(m)).collect();
+        let wh: Vec<Vec<f16>> = wf
+            .iter()
+            .map(|w| w.iter().map(|&v| f16::from_f32(v)).collect())
+            .collect();
+        let wb: Vec<Vec<bf16>> = wf
+            .iter()
+            .map(|w| w.iter().map(|&v| bf16::from_f32(v)).collect())
+            .collect();
+        let pools = thread_pools(&[1, 2, 3]);
+        let mut scratch = MatmulScratch::with_panel_rows(3, k, 16);
+        linear_group(&[], 0, &mut [], &mut scratch);
+        for dtype in 0..3 {
+            let mats: Vec<MatRef> = (0..heights.len())
+                .map(|i| MatRef {
+                    data: match dtype {
+                        0 => WeightData::F32(&wf[i]),
+                        1 => WeightData::F16(&wh[i]),
+                        _ => WeightData::Bf16(&wb[i]),
+                    },
+                    rows: heights[i],
+                    cols: k,
+                })
+                .collect();
+            for products in 1..=GROUP_MAX {
+                for &n in &[1usize, 3, 8, 16, 32, 40] {
+                    let x = rng.vec(n * k);
+                    let bias = |i: usize| i.is_multiple_of(2).then_some(&biases[i][..]);
+                    let alone: Vec<Vec<f32>> = (0..products)
+                        .map(|i| {
+                            let mut y = vec![f32::NAN; n * heights[i]];
+                            linear(&x, n, mats[i], bias(i), &mut y, &mut scratch);
+                            check(&x, n, mats[i], bias(i), &y);
+                            y
+                        })
+                        .collect();
+                    for pool in &pools {
+                        let mut ys: Vec<Vec<f32>> = (0..products)
+                            .map(|i| vec![f32::NAN; n * heights[i]])
+                            .collect();
+                        let mut outs: Vec<LinearOut> = ys
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(i, y)| LinearOut {
+                                w: mats[i],
+                                bias: bias(i),
+                                y,
+                            })
+                            .collect();
+                        pool.install(|| linear_group(&x, n, &mut outs, &mut scratch));
+                        for i in 0..products {
+                            assert_eq!(
+                                bits(&ys[i]),
+                                bits(&alone[i]),
+                                "dtype {dtype}: product {i} of {products}, n={n}, {} threads",
+                                pool.current_num_threads()
+                            );
                         }
                     }
                 }
