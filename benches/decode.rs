@@ -2,6 +2,7 @@
 //! forward pass as generation runs it, for 1 and for 8 sequences (one token and its logits each).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use strata_rs::device::memory_pool::MemoryPool;
 use strata_rs::engine::runner::ModelRunner;
 use strata_rs::kv::blocks::KvDtype;
 use strata_rs::model::forward::{LogitsWanted, SeqChunk};
@@ -19,7 +20,16 @@ fn decode_step(c: &mut Criterion) {
     let vocab = model.config.vocab_size;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    let mut runner = ModelRunner::new(model, 8 * 33, 16, 512, threads, kv_dtype).expect("runner");
+    let mut runner = ModelRunner::new(
+        &MemoryPool::new("cpu", None),
+        model,
+        8 * 33,
+        16,
+        512,
+        threads,
+        kv_dtype,
+    )
+    .expect("runner");
 
     let context = 512;
     let prompt: Vec<u32> = (0..context as u32)

@@ -6,6 +6,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::{bf16, f16};
 use std::hint::black_box;
 use std::time::Duration;
+use strata_rs::device::memory_pool::MemoryPool;
 use strata_rs::engine::runner::ModelRunner;
 use strata_rs::kv::blocks::KvDtype;
 use strata_rs::model::forward::{LogitsWanted, SeqChunk};
@@ -179,7 +180,16 @@ fn bench_prefill_step(c: &mut Criterion) {
     let vocab = model.config.vocab_size;
     let threads = rayon::current_num_threads();
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    let mut runner = ModelRunner::new(model, 129, 16, 512, threads, kv_dtype).expect("runner");
+    let mut runner = ModelRunner::new(
+        &MemoryPool::new("cpu", None),
+        model,
+        129,
+        16,
+        512,
+        threads,
+        kv_dtype,
+    )
+    .expect("runner");
     let table = runner.allocate(2048).expect("blocks");
     let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919) % vocab as u32).collect();
     let mut out = vec![0.0f32; vocab];

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use strata_rs::device::memory_pool::MemoryPool;
 use strata_rs::engine::runner::ModelRunner;
 use strata_rs::error::StrataError;
 use strata_rs::kv::blocks::KvDtype;
@@ -13,12 +14,30 @@ use strata_rs::model::Model;
 fn runner(dir: &Path, max_batch_tokens: usize) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    ModelRunner::new(model, 64, 16, max_batch_tokens, 2, kv_dtype).unwrap()
+    ModelRunner::new(
+        &MemoryPool::new("cpu", None),
+        model,
+        64,
+        16,
+        max_batch_tokens,
+        2,
+        kv_dtype,
+    )
+    .unwrap()
 }
 
 fn runner_kv(dir: &Path, max_batch_tokens: usize, kv_dtype: KvDtype) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
-    ModelRunner::new(model, 64, 16, max_batch_tokens, 2, kv_dtype).unwrap()
+    ModelRunner::new(
+        &MemoryPool::new("cpu", None),
+        model,
+        64,
+        16,
+        max_batch_tokens,
+        2,
+        kv_dtype,
+    )
+    .unwrap()
 }
 
 fn ids(n: usize, vocab: u32, seed: u32) -> Vec<u32> {
@@ -376,7 +395,16 @@ fn invariance_models() -> Vec<(String, tempfile::TempDir)> {
 fn runner_threads(dir: &Path, max_batch_tokens: usize, threads: usize) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    ModelRunner::new(model, 64, 16, max_batch_tokens, threads, kv_dtype).unwrap()
+    ModelRunner::new(
+        &MemoryPool::new("cpu", None),
+        model,
+        64,
+        16,
+        max_batch_tokens,
+        threads,
+        kv_dtype,
+    )
+    .unwrap()
 }
 
 /// Asserts bitwise equality, naming the first differing element.

@@ -287,6 +287,27 @@ class CacheStatsDict(TypedDict):
     """Faults injected by `cache_faults`, per kind; only kinds that fired appear."""
     last_restore: CacheRestore | None
 
+class MemoryInUse(TypedDict):
+    """Bytes a device's memory holds, by purpose (every purpose listed, 0 when unused)."""
+
+    weights: int
+    """The model's tensors as loaded: matrices at their file size (memory-mapped views), norm
+    weights and biases as f32 copies; a tied head counts once."""
+    kv: int
+    """The paged K/V pool: kv_blocks_total x info()["kv_block_bytes"]."""
+    workspace: int
+    """Buffers sized at load: activations, matmul and attention scratch, the logits rows
+    sampled from, the RoPE table."""
+    graphs: int
+    """Captured CUDA graphs (always 0 on the CPU)."""
+    staging: int
+    """The conversation cache's one-block buffer for disk moves, once allocated."""
+
+class DeviceMemory(TypedDict):
+    capacity_bytes: int | None
+    """What the device may hold; None when not bounded (the CPU)."""
+    in_use_bytes: MemoryInUse
+
 class EngineStatsDict(TypedDict):
     running: int
     waiting: int
@@ -309,6 +330,8 @@ class EngineStatsDict(TypedDict):
     ttft_seconds: Histogram
     stopped: str | None
     cache: CacheStatsDict
+    memory: dict[str, DeviceMemory]
+    """Per device ("cpu"): its capacity and the bytes in use by purpose, read at the call."""
 
 Prompt = str | Sequence[int]
 
@@ -384,7 +407,9 @@ class Engine:
         ``stopped`` is None while the engine loop serves, else why it stopped. ``cache`` is the
         conversation cache: bytes, blocks and budget per tier (device, host, disk), hit tokens
         per tier, moves per (from, to, result), refusals per gate, corrupt and adopted disk
-        files, and the last restore (None before the first)."""
+        files, and the last restore (None before the first). ``memory`` is each device's memory
+        accounting, read at the call: ``{"cpu": {"capacity_bytes": None, "in_use_bytes":
+        {"weights": ..., "kv": ..., "workspace": ..., "graphs": 0, "staging": ...}}}``."""
     def _inject_fault(self) -> None:
         """Makes the engine thread's next step panic as a bug would (tests of fault handling)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:

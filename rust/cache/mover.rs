@@ -10,6 +10,7 @@ use super::faults::{FaultKind, Faults};
 use super::host::HostTier;
 use super::{mib, CacheOptions, CacheStats, Gate, MoveResult, RestoreRecord, Tier};
 use crate::device::host::{RamGate, RamRefusal};
+use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
 use crate::error::Result;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::Evicted;
@@ -25,6 +26,11 @@ pub struct ConversationCache {
     block_bytes: usize,
     /// One block: staging for device -> disk writes and disk -> device reads, allocated once.
     scratch: Vec<u8>,
+    /// `scratch` in the device's memory accounting (staging), once allocated.
+    scratch_reservation: Option<Reservation>,
+    /// The device's pool, in which the staging buffer is accounted. The host tier is not: its
+    /// bytes are the cache's own (`stats.host_bytes`), under its budget and the RAM gate.
+    memory: MemoryPool,
     /// The buffer of the last block the host tier let go, reused by the next offload: once the
     /// host tier is full, an offload allocates nothing.
     spare: Option<Box<[u8]>>,
@@ -79,7 +85,12 @@ fn prefault(buf: &mut Vec<u8>) {
 impl ConversationCache {
     /// Opens the tiers. A disk folder that cannot be opened leaves the disk tier off (logged);
     /// only bad option values are errors.
-    pub fn new(opts: &CacheOptions, layout: BlockLayout, gate: RamGate) -> Result<Self> {
+    pub fn new(
+        opts: &CacheOptions,
+        layout: BlockLayout,
+        gate: RamGate,
+        memory: MemoryPool,
+    ) -> Result<Self> {
         opts.validate()?;
         let faults = Faults::parse(&opts.faults, "cache_faults")?;
         let block_bytes = layout.block_bytes as usize;
@@ -130,6 +141,8 @@ impl ConversationCache {
             block_size: layout.block_size as usize,
             block_bytes,
             scratch: Vec::new(),
+            scratch_reservation: None,
+            memory,
             spare: None,
             stats,
         };
@@ -147,6 +160,9 @@ impl ConversationCache {
             block_size,
             block_bytes,
             scratch: Vec::new(),
+            scratch_reservation: None,
+            // Never reserved in: with every tier off, nothing is staged.
+            memory: MemoryPool::new("cpu", None),
             spare: None,
             stats: CacheStats::default(),
         }
@@ -214,8 +230,13 @@ impl ConversationCache {
         }
         self.admit_ram(self.block_bytes as u64)
             .map_err(|r| format!("no staging buffer: {r}"))?;
+        let reservation = self
+            .memory
+            .reserve(Purpose::Staging, self.block_bytes as u64)
+            .map_err(|r| format!("no staging buffer: {r}"))?;
         self.scratch =
             zeroed_block(self.block_bytes).map_err(|e| format!("no staging buffer: {e}"))?;
+        self.scratch_reservation = Some(reservation);
         Ok(())
     }
 
@@ -655,7 +676,8 @@ mod tests {
             head_dim: 2,
             block_bytes: pool.bytes_per_block() as u64,
         };
-        let cache = ConversationCache::new(&opts, layout, gate).unwrap();
+        let cache =
+            ConversationCache::new(&opts, layout, gate, MemoryPool::new("cpu", None)).unwrap();
         (pool, cache)
     }
 
@@ -756,6 +778,46 @@ mod tests {
         let expect: Vec<f32> = tokens.iter().map(|&t| t as f32).collect();
         assert_eq!(keys(&pool, &dst, 6), expect);
         assert_eq!(cache.stats().hit_tokens_disk, 6);
+    }
+
+    #[test]
+    fn the_staging_buffer_is_accounted_in_the_device_pool_and_refused_past_its_capacity() {
+        let tokens = [41u32, 42, 43, 44, 45, 46];
+        // A host tier that is off sends blocks to disk through the one-block staging buffer.
+        let dir = tempfile::tempdir().unwrap();
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
+        let block = pool.bytes_per_block() as u64;
+        assert_eq!(
+            cache.memory.in_use(Purpose::Staging),
+            0,
+            "allocated on first use"
+        );
+        cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
+        assert_eq!(
+            cache.memory.in_use(Purpose::Staging),
+            block,
+            "one buffer, reused"
+        );
+        let memory = cache.memory.clone();
+        drop(cache);
+        assert_eq!(memory.total_in_use(), 0, "released with the cache");
+
+        // A device pool with no room left for it: the disk moves are refused, nothing staged.
+        let dir = tempfile::tempdir().unwrap();
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
+        cache.memory = MemoryPool::new("cpu", Some(block - 1));
+        cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(
+            moved(&cache, Tier::Device, Tier::Disk, MoveResult::Refused),
+            3
+        );
+        assert_eq!(cache.memory.total_in_use(), 0);
+        assert!(cache.scratch.is_empty());
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //! The CPU backend is complete. The CUDA backend (feature "cuda") is at present the probe only:
 //! it finds the driver and the GPUs without ever panicking when there is none. `graphs` is the
 //! CUDA-graph cache's device-independent logic, ready for the CUDA backend that will use it.
+//! `memory_pool` accounts what each device's memory holds, by purpose.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graphs;
 pub mod host;
+pub mod memory_pool;
 
 use crate::error::{Result, StrataError};
 

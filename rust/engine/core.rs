@@ -16,6 +16,7 @@ use super::sequence::Sequence;
 use super::stats::EngineStats;
 use super::stop::StopStrings;
 use crate::cache::ConversationCache;
+use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
 use crate::error::{Result, StrataError};
 use crate::model::forward::{LogitsWanted, SeqChunk};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
@@ -41,6 +42,8 @@ pub struct EngineCore {
     next_seq_id: u64,
     /// Logits of the rows a step samples from: `[max_batch, vocab]`, allocated at load.
     logits: Vec<f32>,
+    /// `logits` in the device's memory accounting (workspace); held for its `Drop`.
+    _logits_reservation: Reservation,
     /// Requests submitted and not yet admitted; shared with submitters for the `max_waiting` bound.
     pub queued: Arc<AtomicUsize>,
     /// Published to `stats` in one piece after each step, so readers never see half a step.
@@ -61,8 +64,10 @@ pub struct EngineCore {
 type Addressed = (UnboundedSender<Event>, Event);
 
 impl EngineCore {
+    /// `memory`: the device's pool, in which the logits buffer is accounted (as workspace).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
+        memory: &MemoryPool,
         runner: ModelRunner,
         scheduler: Scheduler,
         cache: ConversationCache,
@@ -71,12 +76,16 @@ impl EngineCore {
         max_batch: usize,
         queued: Arc<AtomicUsize>,
         stats: Arc<Mutex<EngineStats>>,
-    ) -> EngineCore {
+    ) -> Result<EngineCore> {
         let vocab = runner.model.config.vocab_size;
+        let logits_len = max_batch * vocab;
+        let logits_reservation = memory
+            .reserve(Purpose::Workspace, (logits_len * size_of::<f32>()) as u64)
+            .map_err(|r| StrataError::invalid("max_batch", r.to_string()))?;
         let entropy = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x5eed, |d| d.as_nanos() as u64);
-        EngineCore {
+        Ok(EngineCore {
             runner,
             scheduler,
             cache,
@@ -84,7 +93,8 @@ impl EngineCore {
             max_context,
             requests: HashMap::new(),
             next_seq_id: 0,
-            logits: vec![0.0; max_batch * vocab],
+            logits: vec![0.0; logits_len],
+            _logits_reservation: logits_reservation,
             queued,
             local: EngineStats::default(),
             stats,
@@ -92,7 +102,7 @@ impl EngineCore {
             outbox: Vec::new(),
             delivery: Arc::new(Mutex::new(Vec::new())),
             inject_fault: false,
-        }
+        })
     }
 
     pub fn is_idle(&self) -> bool {

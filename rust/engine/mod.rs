@@ -17,6 +17,7 @@ use crate::bench::{self, BenchReport, BenchSpec};
 use crate::cache::disk::BlockLayout;
 use crate::cache::{CacheOptions, ConversationCache};
 use crate::device::host::RamGate;
+use crate::device::memory_pool::{MemoryPool, PoolSnapshot};
 use crate::device::{self, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
@@ -123,6 +124,8 @@ pub struct Engine {
     /// Requests submitted and not yet admitted (the engine thread counts them down).
     queued: Arc<AtomicUsize>,
     stats: Arc<Mutex<EngineStats>>,
+    /// The device's memory accounting, shared with what the engine thread owns.
+    memory: MemoryPool,
 }
 
 /// A submitted request: its stream of events and the switch that cancels it.
@@ -213,10 +216,13 @@ impl Engine {
             head_dim: config.head_dim as u32,
             block_bytes: block_bytes as u64,
         };
+        // The CPU's capacity is not configured: the pool accounts, and the OS decides what fits.
+        let memory = MemoryPool::new(opts.device.name(), None);
         let gate = RamGate::system((cache_opts.host_min_free_mib as u64) << 20);
-        let cache = ConversationCache::new(&cache_opts, layout, gate)?;
+        let cache = ConversationCache::new(&cache_opts, layout, gate, memory.clone())?;
         let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
         let runner = ModelRunner::new(
+            &memory,
             model,
             kv_blocks,
             BLOCK_SIZE,
@@ -249,6 +255,7 @@ impl Engine {
             ..Default::default()
         }));
         let core = EngineCore::new(
+            &memory,
             runner,
             Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt),
             cache,
@@ -257,7 +264,7 @@ impl Engine {
             max_batch,
             queued.clone(),
             stats.clone(),
-        );
+        )?;
         let (tx, rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("strata-engine".into())
@@ -271,6 +278,7 @@ impl Engine {
             next_request_id: AtomicU64::new(0),
             queued,
             stats,
+            memory,
         })
     }
 
@@ -338,6 +346,11 @@ impl Engine {
         // Queued requests still in the channel are waiting too.
         s.waiting = s.waiting.max(self.queued.load(Ordering::Acquire));
         s
+    }
+
+    /// The memory accounting of each device the engine uses, read now (not as of the last step).
+    pub fn memory(&self) -> Vec<PoolSnapshot> {
+        vec![self.memory.snapshot()]
     }
 
     fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {

@@ -1,5 +1,6 @@
 //! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps.
 
+use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::forward::{LogitsWanted, SeqChunk, Workspace};
@@ -10,10 +11,31 @@ pub struct ModelRunner {
     pub kv: BlockPool,
     pub ws: Workspace,
     pool: rayon::ThreadPool,
+    /// The device memory the fields above hold, released when the runner is dropped.
+    _memory: RunnerMemory,
+}
+
+/// A runner's reservations in its device's [`MemoryPool`], one per thing it owns; never read,
+/// held for their `Drop`.
+struct RunnerMemory {
+    _weights: Reservation,
+    _kv: Reservation,
+    /// The workspace's buffers and the model's RoPE table (both sized at load, by
+    /// `max_batch_tokens` and the context).
+    _workspace: Reservation,
+}
+
+/// A load the device cannot hold, as an error naming the option that sizes what was refused.
+fn refused(field: &str, refusal: PoolRefusal) -> StrataError {
+    StrataError::invalid(field, refusal.to_string())
 }
 
 impl ModelRunner {
+    /// Builds the K/V pool and the workspace for `model`, accounting them and the model's
+    /// weights in `memory` (the device's pool): a refusal fails the load before the K/V pool is
+    /// allocated; the workspace, whose size its allocations decide, is accounted right after.
     pub fn new(
+        memory: &MemoryPool,
         model: Model,
         kv_blocks: usize,
         block_size: usize,
@@ -22,6 +44,21 @@ impl ModelRunner {
         kv_dtype: KvDtype,
     ) -> Result<ModelRunner> {
         let c = &model.config;
+        let weights = memory
+            .reserve(Purpose::Weights, model.weight_bytes() as u64)
+            .map_err(|r| refused("device", r))?;
+        let kv_bytes = BlockPool::block_bytes(
+            c.num_layers,
+            block_size,
+            c.num_kv_heads,
+            c.head_dim,
+            kv_dtype,
+        )
+        .checked_mul(kv_blocks)
+        .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
+        let kv_reserved = memory
+            .reserve(Purpose::Kv, kv_bytes as u64)
+            .map_err(|r| refused("kv_memory_mib", r))?;
         let kv = BlockPool::new(
             c.num_layers,
             kv_blocks,
@@ -31,6 +68,9 @@ impl ModelRunner {
             kv_dtype,
         )?;
         let ws = Workspace::new(&model, max_batch_tokens, threads);
+        let workspace = memory
+            .reserve(Purpose::Workspace, (ws.bytes() + model.rope.bytes()) as u64)
+            .map_err(|r| refused("max_batch_tokens", r))?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("strata-compute-{i}"))
@@ -41,6 +81,11 @@ impl ModelRunner {
             kv,
             ws,
             pool,
+            _memory: RunnerMemory {
+                _weights: weights,
+                _kv: kv_reserved,
+                _workspace: workspace,
+            },
         })
     }
 
@@ -61,6 +106,7 @@ impl ModelRunner {
             kv,
             ws,
             pool,
+            ..
         } = self;
         pool.install(|| model.forward(batch, kv, ws, out))
     }

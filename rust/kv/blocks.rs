@@ -276,6 +276,21 @@ impl BlockPool {
         self.prefix.iter()
     }
 
+    /// Bytes the K and V arrays hold as allocated: `num_blocks() * bytes_per_block()`.
+    pub fn storage_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerStore::F32 { k, v } => {
+                    std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
+                }
+                LayerStore::F16 { k, v } => {
+                    std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
+                }
+            })
+            .sum()
+    }
+
     /// Bytes of one block's K/V across all layers, as `read_block` lays them out.
     pub fn bytes_per_block(&self) -> usize {
         Self::block_bytes(

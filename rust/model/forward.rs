@@ -82,6 +82,32 @@ impl Workspace {
     pub fn max_tokens(&self) -> usize {
         self.max_tokens
     }
+
+    /// Bytes the buffers hold as allocated at load, kernel scratch included (for the device's
+    /// memory accounting; `tables` may grow past its capacity hint later, uncounted).
+    pub fn bytes(&self) -> usize {
+        use std::mem::size_of;
+        let floats: usize = [
+            &self.x,
+            &self.xn,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.attn,
+            &self.gate,
+            &self.up,
+            &self.picked,
+        ]
+        .iter()
+        .map(|b| b.capacity())
+        .sum();
+        floats * size_of::<f32>()
+            + self.rows.capacity() * size_of::<AttnRow>()
+            + self.tables.capacity() * size_of::<u32>()
+            + self.slots.capacity() * size_of::<usize>()
+            + self.matmul.bytes()
+            + self.attention.bytes()
+    }
 }
 
 impl Model {

@@ -145,6 +145,43 @@ impl Model {
         })
     }
 
+    /// Bytes of the tensors as loaded, for the device's memory accounting: the matrices (and the
+    /// embedding) at their size in the file, since they are views into the memory-mapped
+    /// safetensors files (file-backed pages; an unaligned one is an owned copy of the same size),
+    /// plus the 1-D tensors (norms, biases) as the owned f32 copies made at load. A tied head is
+    /// the embedding itself and counts once. The RoPE table is not a tensor of the file: it is
+    /// the workspace's (see `ModelRunner::new`).
+    pub fn weight_bytes(&self) -> usize {
+        let vector = |v: &Vec<f32>| v.len() * std::mem::size_of::<f32>();
+        let optional = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, vector);
+        let mut bytes = self.embed.byte_len() + vector(&self.norm);
+        if !self.config.tie_word_embeddings {
+            bytes += self.lm_head.byte_len();
+        }
+        for l in &self.layers {
+            bytes += [
+                &l.q_proj,
+                &l.k_proj,
+                &l.v_proj,
+                &l.o_proj,
+                &l.gate_proj,
+                &l.up_proj,
+                &l.down_proj,
+            ]
+            .iter()
+            .map(|t| t.byte_len())
+            .sum::<usize>();
+            bytes += vector(&l.attn_norm) + vector(&l.mlp_norm);
+            bytes += [
+                &l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm,
+            ]
+            .iter()
+            .map(|v| optional(v))
+            .sum::<usize>();
+        }
+        bytes
+    }
+
     /// Rebuilds the RoPE table for `max_positions` (the engine sizes it once the K/V pool has
     /// bounded the context).
     pub fn set_max_positions(&mut self, max_positions: usize) -> Result<()> {

@@ -18,6 +18,7 @@ use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
 use crate::bench::BenchSpec;
 use crate::cache::{CacheOptions, CacheStats};
+use crate::device::memory_pool::PoolSnapshot;
 use crate::device::Device;
 use crate::engine::request::{validate_messages, SamplingParams};
 use crate::engine::stats::{EngineStats, Histogram};
@@ -163,6 +164,23 @@ fn cache_dict<'py>(
         None => None,
     };
     d.set_item("last_restore", last)?;
+    Ok(d)
+}
+
+/// `{device: {"capacity_bytes": int | None, "in_use_bytes": {purpose: int}}}`, every purpose
+/// listed (at 0 when nothing holds it).
+fn memory_dict<'py>(py: Python<'py>, pools: &[PoolSnapshot]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for pool in pools {
+        let in_use = PyDict::new(py);
+        for (purpose, bytes) in pool.by_purpose() {
+            in_use.set_item(purpose.name(), bytes)?;
+        }
+        let entry = PyDict::new(py);
+        entry.set_item("capacity_bytes", pool.capacity)?;
+        entry.set_item("in_use_bytes", in_use)?;
+        d.set_item(&pool.device, entry)?;
+    }
     Ok(d)
 }
 
@@ -401,12 +419,17 @@ impl PyEngine {
     /// Counters as of the engine's last step: running, waiting, K/V blocks, prefix hits, tokens,
     /// preemptions, step times, TTFT. A plain dict; cheap (no round trip to the engine thread).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (s, block_bytes) = {
+        let (s, block_bytes, memory) = {
             let engine = lock(&self.engine);
-            (engine.stats(), engine.info().kv_block_bytes)
+            (
+                engine.stats(),
+                engine.info().kv_block_bytes,
+                engine.memory(),
+            )
         };
         let d = stats_dict(py, &s)?;
         d.set_item("cache", cache_dict(py, &s, block_bytes)?)?;
+        d.set_item("memory", memory_dict(py, &memory)?)?;
         Ok(d)
     }
 

@@ -4,7 +4,8 @@ end-to-end latency) and a request counter.
 
 Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and DESIGN.md's for the
 cache (``stats()["cache"]``: bytes and blocks per tier, hits per tier, moves, gate refusals,
-corrupt disk files). Every registry is per app, so two apps in one process never share counters.
+corrupt disk files) and the device memory pool (``stats()["memory"]``: bytes in use by device
+and purpose). Every registry is per app, so two apps in one process never share counters.
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ class EngineCollector(Collector):
             "K/V blocks indexed in the prefix cache (held or evictable)",
             s["kv_blocks_cached"],
         )
+        memory = GaugeMetricFamily(
+            "strata:memory_in_use_bytes",
+            "Bytes of device memory in use, by device and purpose (weights, kv, workspace, "
+            "graphs, staging)",
+            labels=["device", "purpose"],
+        )
+        for device, pool in s["memory"].items():
+            for purpose, n in pool["in_use_bytes"].items():
+                memory.add_metric([device, purpose], n)
+        yield memory
         cache = s["cache"]
         tiers = cache["tiers"]
         cache_bytes = GaugeMetricFamily(

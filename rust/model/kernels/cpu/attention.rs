@@ -169,6 +169,14 @@ impl AttnScratch {
             blocks: Vec::with_capacity(max_rows),
         }
     }
+
+    /// Bytes the scratch buffers hold (for the device's memory accounting).
+    pub fn bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.segments.capacity() * size_of::<Segment>()
+            + self.parts.capacity() * size_of::<f32>()
+            + self.blocks.capacity() * size_of::<(u32, u32)>()
+    }
 }
 
 /// How to run the segments.

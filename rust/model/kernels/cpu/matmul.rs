@@ -67,6 +67,11 @@ impl MatmulScratch {
             max_cols,
         }
     }
+
+    /// Bytes the panels hold (for the device's memory accounting).
+    pub fn bytes(&self) -> usize {
+        self.panels.iter().map(|p| p.capacity()).sum::<usize>() * std::mem::size_of::<f32>()
+    }
 }
 
 /// The 64-byte aligned `len` floats of a scratch panel.

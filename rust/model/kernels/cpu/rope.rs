@@ -99,6 +99,11 @@ impl RopeTable {
         self.max_positions
     }
 
+    /// Bytes the cos and sin tables hold (for the device's memory accounting).
+    pub fn bytes(&self) -> usize {
+        (self.cos.capacity() + self.sin.capacity()) * std::mem::size_of::<f32>()
+    }
+
     /// Rotates every head of one token in place: `x` is `[n_heads * head_dim]` at position `pos`.
     pub fn apply(&self, x: &mut [f32], n_heads: usize, pos: usize) {
         let half = self.half;
