@@ -14,27 +14,32 @@ use strata_rs::model::Model;
 fn runner(dir: &Path, max_batch_tokens: usize) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    ModelRunner::new(
-        &MemoryPool::new("cpu", None),
-        model,
-        64,
-        16,
-        max_batch_tokens,
-        2,
-        kv_dtype,
-    )
-    .unwrap()
+    runner_of(model, max_batch_tokens, kv_dtype, 2)
 }
 
 fn runner_kv(dir: &Path, max_batch_tokens: usize, kv_dtype: KvDtype) -> ModelRunner {
-    let model = Model::load(dir, 512).unwrap();
+    runner_of(
+        Model::load(dir, 512).unwrap(),
+        max_batch_tokens,
+        kv_dtype,
+        2,
+    )
+}
+
+/// A runner of 64 blocks of 16 tokens on an unbounded CPU memory pool.
+fn runner_of(
+    model: Model,
+    max_batch_tokens: usize,
+    kv_dtype: KvDtype,
+    threads: usize,
+) -> ModelRunner {
     ModelRunner::new(
         &MemoryPool::new("cpu", None),
         model,
         64,
         16,
         max_batch_tokens,
-        2,
+        threads,
         kv_dtype,
     )
     .unwrap()
@@ -395,16 +400,7 @@ fn invariance_models() -> Vec<(String, tempfile::TempDir)> {
 fn runner_threads(dir: &Path, max_batch_tokens: usize, threads: usize) -> ModelRunner {
     let model = Model::load(dir, 512).unwrap();
     let kv_dtype = KvDtype::for_weights(model.dtype);
-    ModelRunner::new(
-        &MemoryPool::new("cpu", None),
-        model,
-        64,
-        16,
-        max_batch_tokens,
-        threads,
-        kv_dtype,
-    )
-    .unwrap()
+    runner_of(model, max_batch_tokens, kv_dtype, threads)
 }
 
 /// Asserts bitwise equality, naming the first differing element.

@@ -33,6 +33,21 @@ pub struct LayerWeights {
     pub down_proj: Tensor,
 }
 
+impl LayerWeights {
+    /// The layer's weight matrices, in the order the forward pass reads them.
+    pub fn matrices(&self) -> [&Tensor; 7] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+        ]
+    }
+}
+
 pub struct Model {
     pub config: ModelConfig,
     pub embed: Tensor,
@@ -110,15 +125,7 @@ impl Model {
         let dtype = embed.dtype;
         let mut decode_weight_bytes = lm_head.byte_len();
         for l in &layers {
-            for t in [
-                &l.q_proj,
-                &l.k_proj,
-                &l.v_proj,
-                &l.o_proj,
-                &l.gate_proj,
-                &l.up_proj,
-                &l.down_proj,
-            ] {
+            for t in l.matrices() {
                 if t.dtype != dtype {
                     return Err(StrataError::model_load(
                         files.path_of("model.embed_tokens.weight").unwrap_or(dir),
@@ -159,18 +166,7 @@ impl Model {
             bytes += self.lm_head.byte_len();
         }
         for l in &self.layers {
-            bytes += [
-                &l.q_proj,
-                &l.k_proj,
-                &l.v_proj,
-                &l.o_proj,
-                &l.gate_proj,
-                &l.up_proj,
-                &l.down_proj,
-            ]
-            .iter()
-            .map(|t| t.byte_len())
-            .sum::<usize>();
+            bytes += l.matrices().iter().map(|t| t.byte_len()).sum::<usize>();
             bytes += vector(&l.attn_norm) + vector(&l.mlp_norm);
             bytes += [
                 &l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm,
