@@ -55,17 +55,17 @@ fn decode_step(c: &mut Criterion) {
         group.bench_function(
             format!("smollm-135m bf16, context 512, batch {batch}"),
             |b| {
+                // Re-decodes position `context` each time: same work, and the K/V stays bounded.
+                let chunks: Vec<SeqChunk> = tables[..batch]
+                    .iter()
+                    .map(|table| SeqChunk {
+                        tokens: &[42],
+                        start_pos: context,
+                        block_table: table,
+                        logits: LogitsWanted::Last,
+                    })
+                    .collect();
                 b.iter(|| {
-                    // Re-decodes position `context` each time: same work, and the K/V stays bounded.
-                    let chunks: Vec<SeqChunk> = tables[..batch]
-                        .iter()
-                        .map(|table| SeqChunk {
-                            tokens: &[42],
-                            start_pos: context,
-                            block_table: table,
-                            logits: LogitsWanted::Last,
-                        })
-                        .collect();
                     runner
                         .step(&chunks, &mut out[..vocab * batch])
                         .expect("step")

@@ -16,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod sync;
 
 #[cfg(feature = "python")]
 mod python;

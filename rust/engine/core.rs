@@ -20,6 +20,7 @@ use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
 use crate::error::{Result, StrataError};
 use crate::model::forward::{LogitsWanted, SeqChunk};
 use crate::model::tokenizer::{IncrementalDecoder, Tokenizer};
+use crate::sync::lock;
 
 /// A request's choices share this until the last one finishes.
 struct RequestState {
@@ -478,9 +479,4 @@ fn send_all(queue: &mut Vec<Addressed>) {
     for (to, event) in queue.drain(..) {
         let _ = to.send(event);
     }
-}
-
-/// The delivery queue holds plain data, whole after any panic: a poisoned lock is still usable.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

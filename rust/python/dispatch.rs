@@ -11,7 +11,7 @@
 //! polls every waiting stream and settles their futures, holding the GIL it already has. No Rust
 //! thread ever attaches to Python on this path, so it cannot touch an exiting interpreter.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use pyo3::exceptions::PyOSError;
@@ -20,6 +20,7 @@ use pyo3::sync::PyOnceLock;
 
 use super::stream::StreamShared;
 use crate::engine::doorbell::Doorbell;
+use crate::sync::lock;
 
 /// An `__anext__` whose future is not settled yet.
 struct Waiting {
@@ -34,10 +35,6 @@ pub struct LoopDispatcher {
     waker: Waker,
     /// In `__anext__` order, so that two pending calls on one stream get its chunks in order.
     waiting: Mutex<Vec<Waiting>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl LoopDispatcher {

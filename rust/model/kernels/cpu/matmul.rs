@@ -130,11 +130,7 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
     }
     // Task chunks sized for the group's total rows, so that the threads stay balanced across it.
     let total_rows: usize = outs.iter().map(|o| o.w.rows).sum();
-    let elem_bytes = match outs[0].w.data {
-        WeightData::F32(_) => 4,
-        _ => 2,
-    };
-    let rpt = rows_per_task(total_rows, k, elem_bytes);
+    let rpt = rows_per_task(total_rows, k, elem_bytes(outs[0].w.data));
     // What the tasks need of each product, copied out: the tasks write through `y`'s pointer,
     // so they must not hold a reference to the `&mut` slice itself.
     let mut jobs: [Option<GroupJob>; GROUP_MAX] = [None; GROUP_MAX];
@@ -280,14 +276,18 @@ fn rows_per_task(m: usize, k: usize, elem_bytes: usize) -> usize {
     want.min(cap).div_ceil(4) * 4
 }
 
+/// Bytes of one weight element as stored.
+fn elem_bytes(data: WeightData) -> usize {
+    match data {
+        WeightData::F32(_) => 4,
+        WeightData::F16(_) | WeightData::Bf16(_) => 2,
+    }
+}
+
 /// Stream driver: parallel over coarse chunks of output rows, each weight row read once.
 fn linear_stream(isa: Isa, x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
-    let elem_bytes = match w.data {
-        WeightData::F32(_) => 4,
-        _ => 2,
-    };
-    let rpt = rows_per_task(m, k, elem_bytes);
+    let rpt = rows_per_task(m, k, elem_bytes(w.data));
     let tasks = m.div_ceil(rpt);
     let yp = SendPtr(y.as_mut_ptr());
     let work = |ti: usize| {
