@@ -170,28 +170,33 @@ fn bench_attention_prefill(c: &mut Criterion) {
 }
 
 /// Whole prefill steps of smollm-135m bf16 (random weights, f16 K/V): the first 512 tokens of
-/// a prompt, and the last 512 of a 2048-token one (positions 1536..2048). Throughput in tokens.
+/// a prompt, 512 tokens at positions 1536..2048, and the 68 new tokens of a returning
+/// conversation after a 2,432-token history (the conversation benchmark's returning turn).
+/// Throughput in tokens.
 fn bench_prefill_step(c: &mut Criterion) {
     let dir = tempfile::tempdir().expect("tempdir");
     TestModel::smollm_135m(DType::Bf16)
         .write(dir.path())
         .expect("write model");
-    let model = Model::load(dir.path(), 2048).expect("load model");
+    let context = 2500;
+    let model = Model::load(dir.path(), context).expect("load model");
     let vocab = model.config.vocab_size;
     let threads = rayon::current_num_threads();
     let kv_dtype = KvDtype::for_weights(model.dtype);
     let mut runner = ModelRunner::new(
         &MemoryPool::new("cpu", None),
         model,
-        129,
+        context.div_ceil(16) + 1,
         16,
         512,
         threads,
         kv_dtype,
     )
     .expect("runner");
-    let table = runner.allocate(2048).expect("blocks");
-    let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919) % vocab as u32).collect();
+    let table = runner.allocate(context).expect("blocks");
+    let prompt: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919) % vocab as u32)
+        .collect();
     let mut out = vec![0.0f32; vocab];
     runner
         .prefill(&prompt, 0, &table, LogitsWanted::Last, &mut out)
@@ -200,15 +205,15 @@ fn bench_prefill_step(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(8))
         .warm_up_time(Duration::from_secs(1));
-    g.throughput(Throughput::Elements(512));
-    for start in [0usize, 1536] {
+    for (start, n) in [(0usize, 512usize), (1536, 512), (2432, 68)] {
+        g.throughput(Throughput::Elements(n as u64));
         g.bench_function(
-            format!("smollm-135m bf16, tokens {start}..{}", start + 512),
+            format!("smollm-135m bf16, tokens {start}..{}", start + n),
             |b| {
                 b.iter(|| {
                     // Recomputes the same positions each time: same work, K/V rewritten in place.
                     let batch = [SeqChunk {
-                        tokens: &prompt[start..start + 512],
+                        tokens: &prompt[start..start + n],
                         start_pos: start,
                         block_table: &table,
                         logits: LogitsWanted::Last,

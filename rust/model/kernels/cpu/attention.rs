@@ -10,7 +10,10 @@
 //! K/V head in up to [`ROW_BLOCK`] consecutive rows of one sequence (a prefill chunk), so a
 //! returning conversation's new rows read and convert their long history once per block of rows
 //! instead of once per row. A tile's 16 scores come out of lane-wise FMAs over the transposed K
-//! (no horizontal sums): two chains, even and odd elements of the head, added, times the scale.
+//! (no horizontal sums): four chains over the head's elements, added, times the scale. On
+//! AVX-512 a block of rows computes the tile for 16 (row, query head) lanes at a time with the
+//! lanes in the vector lanes ([`lanes_step_avx512`]), so the online softmax is vertical too;
+//! each lane's arithmetic is the row-by-row path's, operation for operation.
 //!
 //! **Batch invariance.** A row's visible keys are cut into fixed segments by absolute key
 //! position (`SEGMENT` keys, aligned to multiples of `SEGMENT`), each segment's softmax state is
@@ -37,9 +40,12 @@ const LANES: usize = 16;
 const SEGMENT: usize = 128;
 /// Most rows of one sequence that share each tile (fewer when their accumulators would not fit
 /// [`BLOCK_ACC_FLOATS`]).
-const ROW_BLOCK: usize = 8;
+const ROW_BLOCK: usize = 16;
 /// Floats of per-row segment accumulators a row-block task keeps on its stack (32 KiB).
 const BLOCK_ACC_FLOATS: usize = 8192;
+/// Most query lanes ((row, query head) pairs) of a row block: their queries are held transposed
+/// on the task's stack, `LANES` lanes per vector (48 KiB at the largest head dimension).
+const LANE_BLOCK: usize = 48;
 /// Output floats of one register pass over V (4 AVX-512 vectors per query head).
 const V_CHUNK: usize = 64;
 /// Segments run as parallel tasks (split-K) while there are fewer than this many (row, K/V
@@ -357,7 +363,9 @@ impl<E> Ctx<'_, E> {
 
     /// Rows of one sequence at consecutive positions, as many as may share a tile.
     fn row_block_limit(&self) -> usize {
-        (BLOCK_ACC_FLOATS / (self.group * self.hd)).clamp(1, ROW_BLOCK)
+        (BLOCK_ACC_FLOATS / (self.group * self.hd))
+            .min(LANE_BLOCK / self.group)
+            .clamp(1, ROW_BLOCK)
     }
 }
 
@@ -558,6 +566,9 @@ trait Widen {
     /// # Safety
     /// The CPU supports the implementation's ISA; `src` and `dst` hold `n` elements.
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize);
+
+    /// Whether row blocks take [`lanes_step_avx512`] (the same bits as [`tile_step`], faster).
+    const LANES_PATH: bool = false;
 }
 
 struct Plain;
@@ -597,6 +608,8 @@ impl Widen for Avx2 {
 struct Avx512;
 #[cfg(target_arch = "x86_64")]
 impl Widen for Avx512 {
+    const LANES_PATH: bool = true;
+
     #[inline(always)]
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
         use std::arch::x86_64::*;
@@ -683,6 +696,7 @@ fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
                 &mut [&mut acc[..gh]],
                 &mut st,
                 &mut tile,
+                None,
             );
             st[0]
         }
@@ -723,6 +737,31 @@ fn rows_task<W: Widen, E: KvElem>(
         std::ptr::write_bytes(p, 0, n * gh);
         std::slice::from_raw_parts_mut(p, n * gh)
     };
+    // Two or more rows: their queries transposed, lane = i * group + h, LANES lanes per vector
+    // (`qt[(v * hd + d) * LANES + lane % LANES]`, v = lane / LANES), unused lanes zero.
+    let mut qt_buf = [MaybeUninit::<f32>::uninit(); LANE_BLOCK * MAX_HEAD_DIM];
+    let qt = (W::LANES_PATH && n >= 2).then(|| {
+        let lanes = n * group;
+        let vectors = lanes.div_ceil(LANES);
+        debug_assert!(lanes <= LANE_BLOCK);
+        // SAFETY: vectors * hd * LANES <= LANE_BLOCK * MAX_HEAD_DIM (row_block_limit keeps
+        // n * group <= LANE_BLOCK, rounded up to whole vectors of LANES); every float is
+        // written here before it is read.
+        let qt = unsafe {
+            let p = qt_buf.as_mut_ptr().cast::<f32>();
+            std::ptr::write_bytes(p, 0, vectors * hd * LANES);
+            std::slice::from_raw_parts_mut(p, vectors * hd * LANES)
+        };
+        for lane in 0..lanes {
+            let (i, h) = (lane / group, lane % group);
+            let q = &c.q_group(first + i, g)[h * hd..(h + 1) * hd];
+            let (v, l) = (lane / LANES, lane % LANES);
+            for (d, &x) in q.iter().enumerate() {
+                qt[(v * hd + d) * LANES + l] = x;
+            }
+        }
+        &*qt
+    });
     let mut spans = [(0usize, 0usize); ROW_BLOCK];
     for (i, s) in spans.iter_mut().take(n).enumerate() {
         *s = visible(&c.rows[first + i], c.window);
@@ -763,6 +802,7 @@ fn rows_task<W: Widen, E: KvElem>(
                 &mut accs[..n],
                 &mut states[..n],
                 tile,
+                qt,
             );
         }
         for i in 0..n {
@@ -785,7 +825,9 @@ fn rows_task<W: Widen, E: KvElem>(
 
 /// The keys `span` (inside one segment) for the rows `first + i` whose parts `parts[i]` of it
 /// are not empty, K/V head `g`: tile by tile, each tile widened once for all of them, each row's
-/// softmax state (`states[i]`, accumulators `accs[i]`) updated over its own keys.
+/// softmax state (`states[i]`, accumulators `accs[i]`) updated over its own keys. With `qt`
+/// (the rows' queries transposed, see `rows_task`) a tile is computed for 16 query lanes at a
+/// time by [`lanes_step_avx512`], else row by row by [`tile_step`]: the same arithmetic per row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn segment_pass<W: Widen, E: KvElem>(
@@ -797,6 +839,7 @@ fn segment_pass<W: Widen, E: KvElem>(
     accs: &mut [&mut [f32]],
     states: &mut [State],
     tile: &mut TileBuf,
+    qt: Option<&[f32]>,
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     let table = c.table(first);
@@ -863,6 +906,15 @@ fn segment_pass<W: Widen, E: KvElem>(
                 std::slice::from_raw_parts(vt, LANES * hd),
             )
         };
+        #[cfg(target_arch = "x86_64")]
+        if let Some(qt) = qt {
+            // SAFETY: qt is only built for W = Avx512 (the CPU has AVX-512F), with hd * LANES
+            // floats per 16 lanes of the rows' heads (rows_task); the tile is widened above;
+            // accs[i] holds group * hd floats for every row whose part is not empty.
+            unsafe { lanes_step_avx512(qt, parts, t0, group, hd, kts, vts, c.scale, accs, states) };
+            t0 += LANES;
+            continue;
+        }
         for (i, &(a, b)) in parts.iter().enumerate() {
             let (a, b) = (a.max(t0), b.min(t0 + LANES - 1));
             if a > b {
@@ -1010,6 +1062,233 @@ fn tile_step<const N: usize>(
         d0 += w;
     }
     N
+}
+
+/// One tile for every query lane of a row block (`qt`, transposed queries; lane = i * group +
+/// h for row `first + i`, head `h`), 16 lanes at a time, with the lanes in the vector lanes:
+/// the scores of one key for 16 queries are one vector, so the softmax needs no horizontal
+/// reductions. Every lane's arithmetic is [`tile_step`]'s for its row and head, operation for
+/// operation (the same FMA chains over the head's elements, the same [`tree16`] order over the
+/// keys, the same rescale and `p · V` in key order; `fast_exp_avx512` is `fast_exp`), so a
+/// row's bits do not depend on the path (`attention_rows_are_batch_invariant` compares it with
+/// the portable build). Written with intrinsics: the compiler vectorised the plain version of
+/// this loop nest across the head's elements, with gathers.
+///
+/// # Safety
+/// The CPU supports AVX-512F; `qt` holds `hd * LANES` floats per 16 lanes of
+/// `parts.len() * group`, `kt` and `vt` a widened tile (`hd * LANES` floats each), `accs[i]`
+/// `group * hd` floats for every row whose part meets the tile.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn lanes_step_avx512(
+    qt: &[f32],
+    parts: &[(usize, usize)],
+    t0: usize,
+    group: usize,
+    hd: usize,
+    kt: &[f32],
+    vt: &[f32],
+    scale: f32,
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
+) {
+    use super::swiglu::fast_exp_avx512;
+    use std::arch::x86_64::*;
+    let lanes = parts.len() * group;
+    let kt = &kt[..hd * LANES];
+    let kp = kt.as_ptr();
+    for v in 0..lanes.div_ceil(LANES) {
+        let base = v * LANES;
+        let count = (lanes - base).min(LANES);
+        let q = qt[v * hd * LANES..(v + 1) * hd * LANES].as_ptr();
+        // Each lane's visible keys in this tile, `ka..=kb` (none: ka > kb).
+        let mut ka = [LANES as i32; LANES];
+        let mut kb = [0i32; LANES];
+        let mut mx = [f32::NEG_INFINITY; LANES];
+        let mut sum = [0f32; LANES];
+        for l in 0..count {
+            let (i, h) = ((base + l) / group, (base + l) % group);
+            let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
+            if a <= b {
+                (ka[l], kb[l]) = ((a - t0) as i32, (b - t0) as i32);
+            }
+            mx[l] = states[i].mx[h];
+            sum[l] = states[i].sum[h];
+        }
+        let (kav, kbv) = (
+            _mm512_loadu_si512(ka.as_ptr().cast()),
+            _mm512_loadu_si512(kb.as_ptr().cast()),
+        );
+        let mut valid = [0 as __mmask16; LANES];
+        for (k, m) in valid.iter_mut().enumerate() {
+            let kv = _mm512_set1_epi32(k as i32);
+            *m = _mm512_cmple_epi32_mask(kav, kv) & _mm512_cmple_epi32_mask(kv, kbv);
+        }
+        // Scores: chain j holds elements d = j, j + 4, ... of the head, in order; then
+        // ((c0 + c1) + (c2 + c3)) * scale.
+        let zero = _mm512_setzero_ps();
+        let mut chains = [[zero; LANES]; 4];
+        for (j, chain) in chains.iter_mut().enumerate() {
+            let mut acc = [zero; LANES];
+            let mut d = j;
+            while d < hd {
+                let qv = _mm512_loadu_ps(q.add(d * LANES));
+                for k in 0..LANES {
+                    let kd = _mm512_set1_ps(*kp.add(d * LANES + k));
+                    acc[k] = _mm512_fmadd_ps(qv, kd, acc[k]);
+                }
+                d += 4;
+            }
+            *chain = acc;
+        }
+        let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let mut sc = [zero; LANES];
+        for k in 0..LANES {
+            let x = _mm512_mul_ps(
+                _mm512_add_ps(
+                    _mm512_add_ps(chains[0][k], chains[1][k]),
+                    _mm512_add_ps(chains[2][k], chains[3][k]),
+                ),
+                _mm512_set1_ps(scale),
+            );
+            sc[k] = _mm512_mask_blend_ps(valid[k], neg_inf, x);
+        }
+        // tree16's max: op(x, y) = if y > x { y } else { x }, which is max_ps(y, x).
+        let mut t = sc;
+        let mut n = LANES / 2;
+        while n > 0 {
+            for k in 0..n {
+                t[k] = _mm512_max_ps(t[k + n], t[k]);
+            }
+            n /= 2;
+        }
+        let mxv = _mm512_loadu_ps(mx.as_ptr());
+        // mx.max(tile_max): neither is NaN.
+        let new_max = _mm512_max_ps(t[0], mxv);
+        let e = fast_exp_avx512(_mm512_sub_ps(mxv, new_max));
+        let one = _mm512_set1_ps(1.0);
+        let corr = _mm512_mask_blend_ps(_mm512_cmpeq_ps_mask(mxv, new_max), e, one);
+        let corr = _mm512_mask_blend_ps(_mm512_cmpeq_ps_mask(mxv, neg_inf), corr, zero);
+        let mut p = [[0f32; LANES]; LANES];
+        let mut pv = [zero; LANES];
+        for k in 0..LANES {
+            let e = fast_exp_avx512(_mm512_sub_ps(sc[k], new_max));
+            pv[k] = _mm512_maskz_mov_ps(valid[k], e);
+            _mm512_storeu_ps(p[k].as_mut_ptr(), pv[k]);
+        }
+        let mut n = LANES / 2;
+        while n > 0 {
+            for k in 0..n {
+                pv[k] = _mm512_add_ps(pv[k], pv[k + n]);
+            }
+            n /= 2;
+        }
+        let new_sum = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sum.as_ptr()), corr), pv[0]);
+        let (mut nm, mut ns, mut cr) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
+        _mm512_storeu_ps(nm.as_mut_ptr(), new_max);
+        _mm512_storeu_ps(ns.as_mut_ptr(), new_sum);
+        _mm512_storeu_ps(cr.as_mut_ptr(), corr);
+        // Per lane: the state, the rescale; lanes with no key in this tile are left as they are.
+        let mut acc_at = [std::ptr::null_mut::<f32>(); LANES];
+        for l in 0..count {
+            if ka[l] > kb[l] {
+                continue;
+            }
+            let (i, h) = ((base + l) / group, (base + l) % group);
+            states[i].mx[h] = nm[l];
+            states[i].sum[h] = ns[l];
+            let acc = &mut accs[i][h * hd..(h + 1) * hd];
+            if cr[l] != 1.0 {
+                for x in acc.iter_mut() {
+                    *x *= cr[l];
+                }
+            }
+            acc_at[l] = acc.as_mut_ptr();
+        }
+        // acc += p · V over each lane's keys in order: up to 4 lanes with the same keys at once.
+        let mut l = 0;
+        while l < count {
+            if ka[l] > kb[l] {
+                l += 1;
+                continue;
+            }
+            let mut e = l + 1;
+            while e < count && e - l < 4 && ka[e] == ka[l] && kb[e] == kb[l] {
+                e += 1;
+            }
+            let keys = (ka[l] as usize, kb[l] as usize);
+            let at = &acc_at[l..e];
+            match e - l {
+                1 => pv_lanes_avx512::<1>(at, &p, l, keys, vt, hd),
+                2 => pv_lanes_avx512::<2>(at, &p, l, keys, vt, hd),
+                3 => pv_lanes_avx512::<3>(at, &p, l, keys, vt, hd),
+                _ => pv_lanes_avx512::<4>(at, &p, l, keys, vt, hd),
+            }
+            l = e;
+        }
+    }
+}
+
+/// `acc += p · V` for N consecutive lanes from `lane` that see the same keys `keys`, in key
+/// order, V_CHUNK outputs per lane at a time in registers ([`tile_step`]'s loop, with N lanes
+/// for its N heads).
+///
+/// # Safety
+/// AVX-512F; `acc[n]` points at `hd` floats that no other pointer of `acc` overlaps.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn pv_lanes_avx512<const N: usize>(
+    acc: &[*mut f32],
+    p: &[[f32; LANES]; LANES],
+    lane: usize,
+    keys: (usize, usize),
+    vt: &[f32],
+    hd: usize,
+) {
+    use std::arch::x86_64::*;
+    let (a, b) = keys;
+    let vt = &vt[..LANES * hd];
+    let mut d0 = 0;
+    while d0 < hd {
+        let w = V_CHUNK.min(hd - d0);
+        if w == V_CHUNK {
+            let mut r = [[_mm512_setzero_ps(); 4]; N];
+            for n in 0..N {
+                for x in 0..4 {
+                    r[n][x] = _mm512_loadu_ps(acc[n].add(d0 + 16 * x));
+                }
+            }
+            for k in a..=b {
+                let row = vt.as_ptr().add(k * hd + d0);
+                let vr = [0, 1, 2, 3].map(|x| _mm512_loadu_ps(row.add(16 * x)));
+                for n in 0..N {
+                    let pn = _mm512_set1_ps(p[k][lane + n]);
+                    for x in 0..4 {
+                        r[n][x] = _mm512_fmadd_ps(pn, vr[x], r[n][x]);
+                    }
+                }
+            }
+            for n in 0..N {
+                for x in 0..4 {
+                    _mm512_storeu_ps(acc[n].add(d0 + 16 * x), r[n][x]);
+                }
+            }
+        } else {
+            for k in a..=b {
+                let row = &vt[k * hd + d0..k * hd + d0 + w];
+                for n in 0..N {
+                    let pn = p[k][lane + n];
+                    for (x, &y) in row.iter().enumerate() {
+                        let o = acc[n].add(d0 + x);
+                        *o = pn.mul_add(y, *o);
+                    }
+                }
+            }
+        }
+        d0 += w;
+    }
 }
 
 /// Reduces 16 lanes pairwise (lane l with l + 8, then + 4, + 2, + 1): a fixed order that

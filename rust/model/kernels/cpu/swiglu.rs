@@ -61,25 +61,58 @@ fn silu_mul_body(gate: &mut [f32], up: &[f32]) {
 /// for x in [-87, 88]; saturates outside (about 1e-38 below, 3e38 above), -inf gives ~1e-38.
 #[inline(always)]
 pub(crate) fn fast_exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    // 1.5 * 2^23: adding and subtracting rounds to the nearest integer without round().
-    const MAGIC: f32 = 12_582_912.0;
-    let x = x.clamp(-87.3, 88.7);
+    let x = x.clamp(EXP_MIN, EXP_MAX);
     let t = x * LOG2E + MAGIC;
     let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     // Taylor series to r^6 on |r| <= ln2/2: truncation error < 2e-7.
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (C3 + r * (C4 + r * (C5 + r * C6)))));
     // n as an integer, read from t's low mantissa bits (t = 1.5 * 2^23 + n exactly): `n as i32`
     // saturates and checks for NaN, which does not vectorise.
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     let scale = f32::from_bits((ni.wrapping_add(127) << 23) as u32);
     p * scale
+}
+
+const EXP_MIN: f32 = -87.3;
+const EXP_MAX: f32 = 88.7;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// 1.5 * 2^23: adding and subtracting rounds to the nearest integer without round().
+const MAGIC: f32 = 12_582_912.0;
+const C3: f32 = 1.0 / 6.0;
+const C4: f32 = 1.0 / 24.0;
+const C5: f32 = 1.0 / 120.0;
+const C6: f32 = 1.0 / 720.0;
+
+/// [`fast_exp`] of 16 lanes, operation for operation (the same bits in every lane, for inputs
+/// that are not NaN), for kernels written with AVX-512 intrinsics.
+///
+/// # Safety
+/// The CPU supports AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) unsafe fn fast_exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let c = |v: f32| _mm512_set1_ps(v);
+    let x = _mm512_min_ps(_mm512_max_ps(x, c(EXP_MIN)), c(EXP_MAX));
+    let t = _mm512_add_ps(_mm512_mul_ps(x, c(LOG2E)), c(MAGIC));
+    let n = _mm512_sub_ps(t, c(MAGIC));
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, c(LN2_HI))),
+        _mm512_mul_ps(n, c(LN2_LO)),
+    );
+    let mut p = _mm512_add_ps(c(C5), _mm512_mul_ps(r, c(C6)));
+    for k in [C4, C3, 0.5, 1.0, 1.0] {
+        p = _mm512_add_ps(c(k), _mm512_mul_ps(r, p));
+    }
+    let ni = _mm512_sub_epi32(
+        _mm512_castps_si512(t),
+        _mm512_set1_epi32(MAGIC.to_bits() as i32),
+    );
+    let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(scale))
 }
 
 /// Plain reference in f64.
@@ -107,6 +140,45 @@ mod tests {
         assert!(fast_exp(f32::NEG_INFINITY) < 1e-37);
         // Attention skips its rescale when the running max is unchanged: that relies on this.
         assert_eq!(fast_exp(0.0), 1.0);
+    }
+
+    /// The AVX-512 exp is the scalar one, bit for bit: attention's two paths rely on it.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn fast_exp_avx512_equals_scalar() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let mut rng = Rng(17);
+        let mut xs: Vec<f32> = (0..100_000).map(|_| rng.next() * 200.0).collect();
+        xs.extend((0..20_000).map(|_| rng.next() * 1e-3));
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            EXP_MIN,
+            EXP_MAX,
+            -87.3001,
+            88.70001,
+            1e-30,
+            -1e-30,
+        ]);
+        xs.resize(xs.len().div_ceil(16) * 16, 1.0);
+        #[target_feature(enable = "avx512f")]
+        unsafe fn lanes(x: &[f32], out: &mut [f32]) {
+            use std::arch::x86_64::*;
+            for (i, o) in x.chunks_exact(16).zip(out.chunks_exact_mut(16)) {
+                _mm512_storeu_ps(o.as_mut_ptr(), fast_exp_avx512(_mm512_loadu_ps(i.as_ptr())));
+            }
+        }
+        let mut got = vec![0f32; xs.len()];
+        // SAFETY: AVX-512F detected above.
+        unsafe { lanes(&xs, &mut got) };
+        for (x, g) in xs.iter().zip(&got) {
+            assert_eq!(g.to_bits(), fast_exp(*x).to_bits(), "exp({x})");
+        }
     }
 
     #[test]
