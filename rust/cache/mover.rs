@@ -931,6 +931,84 @@ mod tests {
     }
 
     #[test]
+    fn an_onload_from_disk_is_admitted_per_device_and_refused_naming_the_full_one() {
+        let tokens = [51u32, 52, 53, 54, 55, 56];
+        let dir = tempfile::tempdir().unwrap();
+        // A first cache (host tier off) writes three blocks to disk.
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        pool.release(&a.blocks);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
+        drop(cache);
+
+        // The same blocks seen by a cache over two devices; the second has 1 byte left for
+        // its part of the staging buffer.
+        let half = pool.bytes_per_block() / 2;
+        let two = |second: Option<u64>| {
+            let meminfo = dir.path().join("meminfo");
+            let gate = RamGate::with_paths(meminfo, CgroupMemory::None, 0);
+            let opts = CacheOptions {
+                host_cache_mib: 0,
+                disk_cache_dir: Some(dir.path().join("kv")),
+                disk_cache_mib: 1,
+                ..CacheOptions::default()
+            };
+            let layout = BlockLayout {
+                salt: 7,
+                kv_dtype: 4,
+                block_size: BS as u32,
+                num_layers: 1,
+                kv_heads: 1,
+                head_dim: 2,
+                block_bytes: pool.bytes_per_block() as u64,
+            };
+            let parts = vec![
+                DevicePart {
+                    memory: MemoryPool::new("cpu:0", None),
+                    bytes: half,
+                },
+                DevicePart {
+                    memory: MemoryPool::new("cpu:1", second),
+                    bytes: half,
+                },
+            ];
+            ConversationCache::new(&opts, layout, gate, parts).unwrap()
+        };
+        let mut tight = two(Some(1));
+        assert_eq!(tight.probe(&hashes, &tokens, 0), 3);
+        assert!(!tight.admit_onload(&hashes, &tokens, 0, 3));
+        assert_eq!(tight.stats().refusals.get(&Gate::Device), Some(&1));
+        assert_eq!(
+            tight.stats().device_refusals,
+            [("cpu:1".to_string(), 1)].into_iter().collect()
+        );
+        // All or nothing: cpu:0's part was given back.
+        let staged: Vec<u64> = tight
+            .devices
+            .iter()
+            .map(|d| d.device.memory.in_use(Purpose::Staging))
+            .collect();
+        assert_eq!(staged, [0, 0]);
+        drop(tight);
+
+        // With room on both, each device reserves its part and the restore happens.
+        let mut roomy = two(None);
+        assert!(roomy.admit_onload(&hashes, &tokens, 0, 3));
+        let staged: Vec<u64> = roomy
+            .devices
+            .iter()
+            .map(|d| d.device.memory.in_use(Purpose::Staging))
+            .collect();
+        assert_eq!(staged, [half as u64, half as u64]);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(roomy.onload(&mut pool, &dst, &hashes, &tokens, 0), 3);
+        assert_eq!(keys(&pool, &dst, 6), tokens.map(|t| t as f32));
+        assert!(roomy.stats().device_refusals.is_empty());
+    }
+
+    #[test]
     fn an_injected_ram_gate_refusal_sends_the_batch_to_disk() {
         let dir = tempfile::tempdir().unwrap();
         // Plenty of memory, but the first gate check (the host batch) is made to refuse; the
