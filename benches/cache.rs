@@ -5,7 +5,7 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use strata_rs::cache::disk::{BlockLayout, DiskOptions, DiskTier};
-use strata_rs::cache::{CacheOptions, ConversationCache};
+use strata_rs::cache::{CacheOptions, ConversationCache, DevicePart};
 use strata_rs::device::host::RamGate;
 use strata_rs::device::memory_pool::MemoryPool;
 use strata_rs::kv::blocks::{BlockPool, KvDtype};
@@ -73,9 +73,13 @@ fn moves(c: &mut Criterion) {
         disk_cache_mib: 0,
         ..CacheOptions::default()
     };
-    let memory = MemoryPool::new("cpu", None);
-    let mut cache = ConversationCache::new(&opts, layout(block_bytes), RamGate::system(0), memory)
-        .expect("cache");
+    let device = DevicePart {
+        memory: MemoryPool::new("cpu", None),
+        bytes: block_bytes,
+    };
+    let mut cache =
+        ConversationCache::new(&opts, layout(block_bytes), RamGate::system(0), vec![device])
+            .expect("cache");
     let blocks = pool.allocate(HISTORY_BLOCKS).expect("blocks").blocks;
     for (i, &b) in blocks.iter().enumerate() {
         pool.register(b, hashes[i], &tokens[i * BS..(i + 1) * BS]);

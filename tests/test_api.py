@@ -47,7 +47,9 @@ async def test_cuda_load_is_device_unavailable(model_dir: MakeModel) -> None:
 async def test_bad_device_string(model_dir: MakeModel) -> None:
     with pytest.raises(InvalidRequest) as e:
         await Engine.load(model_dir("llama"), device="gpu0")
-    assert str(e.value) == ('device: "gpu0": expected "cpu", "cuda", "cuda:N" or "cuda:N,M"')
+    assert str(e.value) == (
+        'device: "gpu0": expected "cpu", "cpu:N,M", "cuda", "cuda:N" or "cuda:N,M"'
+    )
 
 
 def _copy_model(src: Path, dst: Path) -> Path:

@@ -279,6 +279,9 @@ class CacheStatsDict(TypedDict):
     """Blocks moved per (from, to, result) since start; bytes = blocks x kv_block_bytes."""
     refusals: dict[Literal["ram", "host_budget", "disk_budget", "device"], int]
     """Moves refused per gate; only gates that refused appear."""
+    device_refusals: dict[str, int]
+    """Moves refused by one device's memory pool (its part of the staging buffer), by device
+    ("cpu", "cpu:1"); each is also under refusals["device"]. Only devices that refused appear."""
     corrupt_files: int
     """Disk files found bad (startup scan or a read) and deleted."""
     adopted_files: int
@@ -294,18 +297,20 @@ class MemoryInUse(TypedDict):
     """The model's tensors as loaded: matrices at their file size (memory-mapped views), norm
     weights and biases as f32 copies; a tied head counts once."""
     kv: int
-    """The paged K/V pool: kv_blocks_total x info()["kv_block_bytes"]."""
+    """The paged K/V pool: kv_blocks_total x this device's part of info()["kv_block_bytes"]
+    (its layers' share, with a layer split)."""
     workspace: int
     """Buffers sized at load: activations, matmul and attention scratch, the logits rows
     sampled from, the RoPE table."""
     graphs: int
     """Captured CUDA graphs (always 0 on the CPU)."""
     staging: int
-    """The conversation cache's one-block buffer for disk moves, once allocated."""
+    """The conversation cache's one-block buffer for disk moves, once allocated (with a layer
+    split, each device's part of it)."""
 
 class DeviceMemory(TypedDict):
     capacity_bytes: int | None
-    """What the device may hold; None when not bounded (the CPU)."""
+    """What the device may hold; None when not bounded (a CPU without device_memory_mib)."""
     in_use_bytes: MemoryInUse
 
 class EngineStatsDict(TypedDict):
@@ -331,7 +336,8 @@ class EngineStatsDict(TypedDict):
     stopped: str | None
     cache: CacheStatsDict
     memory: dict[str, DeviceMemory]
-    """Per device ("cpu"): its capacity and the bytes in use by purpose, read at the call."""
+    """Per device ("cpu"; with a layer split "cpu:0", "cpu:1", ...): its capacity and the bytes
+    in use by purpose, read at the call."""
 
 Prompt = str | Sequence[int]
 
@@ -353,6 +359,8 @@ class Engine:
         disk_cache_mib: int = 16384,
         disk_cache_days: float = 7.0,
         cache_faults: str | None = None,
+        device_memory_mib: str | int | Sequence[int] | None = None,
+        layer_split: str | int | Sequence[int] | None = None,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
         DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
@@ -362,6 +370,15 @@ class Engine:
         model's). kv_memory_mib: K/V pool budget (default: one max_context sequence, at most
         2 GiB). max_batch_tokens: tokens per forward step (prefill chunk size). max_waiting:
         requests that may wait for admission before EngineBusy.
+
+        device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
+        "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its
+        layers, and hands the activations to the next. Outputs equal one device's exactly.
+        device_memory_mib: each device's memory capacity in MiB, one per device of `device`
+        ("300,120" or [300, 120]); reservations past it are refused (at load: InvalidRequest;
+        a cache move: skipped and recomputed). Default: a CPU's pool is not bounded.
+        layer_split: layers per device ("20,10"), each >= 1, summing to the model's layers.
+        Default: in proportion to each device's capacity, evenly when none is configured.
 
         The conversation cache's tiers below the device (keyword-only):
         host_cache_mib: host RAM tier budget; 0 turns the tier off.

@@ -172,7 +172,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
-    s.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    s.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cpu:0,1 | cuda | cuda:N | cuda:N,M (a list splits the layers; default cpu)",
+    )
+    s.add_argument(
+        "--device-memory-mib",
+        default=None,
+        help="each device's memory capacity in MiB, one per device of --device, e.g. 300,120 "
+        "(default: a CPU's pool is not bounded)",
+    )
+    s.add_argument(
+        "--layer-split",
+        default=None,
+        help="layers per device of --device, e.g. 20,10; must sum to the model's layers "
+        "(default: in proportion to each device's free memory, evenly when unknown)",
+    )
     s.add_argument("--max-batch", type=int, default=8, help="sequences decoding at once")
     s.add_argument(
         "--max-context", type=int, default=None, help="longest sequence (default: the model's)"
@@ -506,6 +522,8 @@ def _serve(args: argparse.Namespace) -> int:
         "disk_cache_mib": args.disk_cache_mib,
         "disk_cache_days": args.disk_cache_days,
         "cache_faults": args.cache_faults,
+        "device_memory_mib": args.device_memory_mib,
+        "layer_split": args.layer_split,
     }
     return serve(
         args.model,

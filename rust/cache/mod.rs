@@ -15,7 +15,7 @@ pub mod mover;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-pub use mover::ConversationCache;
+pub use mover::{ConversationCache, DevicePart};
 
 /// Where a block lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -64,7 +64,8 @@ pub enum Gate {
     HostBudget,
     /// A block larger than the whole disk budget.
     DiskBudget,
-    /// The device could not take an onload (blocks neither free nor evictable).
+    /// The device could not take an onload (blocks neither free nor evictable), or one device's
+    /// memory pool refused what a move would allocate on it (its staging part).
     Device,
 }
 
@@ -160,6 +161,9 @@ pub struct CacheStats {
     /// (from, to, result) -> blocks moved (every block is `kv_block_bytes`).
     pub moves: BTreeMap<(Tier, Tier, MoveResult), u64>,
     pub refusals: BTreeMap<Gate, u64>,
+    /// Refusals by one device's memory pool (a move's staging buffer, on a GPU its copy
+    /// stream), by device name ("cpu", "cpu:1", "cuda:0"); each is also under `Gate::Device`.
+    pub device_refusals: BTreeMap<String, u64>,
     /// Prompt tokens restored from each tier below the device.
     pub hit_tokens_host: u64,
     pub hit_tokens_disk: u64,

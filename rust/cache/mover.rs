@@ -10,12 +10,34 @@ use super::faults::{FaultKind, Faults};
 use super::host::HostTier;
 use super::{mib, CacheOptions, CacheStats, Gate, MoveResult, RestoreRecord, Tier};
 use crate::device::host::{RamGate, RamRefusal};
-use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
+use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::Result;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::Evicted;
 
 const LOG: &str = "strata_rs.cache";
+
+/// One device of the split as the mover sees it: its pool and its part of a block.
+#[derive(Clone, Debug)]
+pub struct DevicePart {
+    pub memory: MemoryPool,
+    /// Bytes of one block's K/V that live on this device (`BlockPool::part_bytes`).
+    pub bytes: usize,
+}
+
+#[derive(Debug)]
+struct StagingPart {
+    device: DevicePart,
+    /// This device's part of the staging buffer, once reserved (on first use; kept for the
+    /// engine's life, as the buffer is).
+    reservation: Option<Reservation>,
+}
+
+/// A device whose pool refused what a move would allocate on it.
+struct DeviceRefusal {
+    device: String,
+    refusal: PoolRefusal,
+}
 
 pub struct ConversationCache {
     host: HostTier,
@@ -26,11 +48,11 @@ pub struct ConversationCache {
     block_bytes: usize,
     /// One block: staging for device -> disk writes and disk -> device reads, allocated once.
     scratch: Vec<u8>,
-    /// `scratch` in the device's memory accounting (staging), once allocated.
-    scratch_reservation: Option<Reservation>,
-    /// The device's pool, in which the staging buffer is accounted. The host tier is not: its
-    /// bytes are the cache's own (`stats.host_bytes`), under its budget and the RAM gate.
-    memory: MemoryPool,
+    /// The devices of the layer split, in layer order, in whose pools the staging buffer is
+    /// accounted: each for its part of a block (its layers), since each device's copy passes
+    /// through its own part. The host tier is not accounted there: its bytes are the cache's own
+    /// (`stats.host_bytes`), under its budget and the RAM gate.
+    devices: Vec<StagingPart>,
     /// The buffer of the last block the host tier let go, reused by the next offload: once the
     /// host tier is full, an offload allocates nothing.
     spare: Option<Box<[u8]>>,
@@ -89,7 +111,7 @@ impl ConversationCache {
         opts: &CacheOptions,
         layout: BlockLayout,
         gate: RamGate,
-        memory: MemoryPool,
+        devices: Vec<DevicePart>,
     ) -> Result<Self> {
         opts.validate()?;
         let faults = Faults::parse(&opts.faults, "cache_faults")?;
@@ -141,8 +163,13 @@ impl ConversationCache {
             block_size: layout.block_size as usize,
             block_bytes,
             scratch: Vec::new(),
-            scratch_reservation: None,
-            memory,
+            devices: devices
+                .into_iter()
+                .map(|device| StagingPart {
+                    device,
+                    reservation: None,
+                })
+                .collect(),
             spare: None,
             stats,
         };
@@ -160,9 +187,8 @@ impl ConversationCache {
             block_size,
             block_bytes,
             scratch: Vec::new(),
-            scratch_reservation: None,
-            // Never reserved in: with every tier off, nothing is staged.
-            memory: MemoryPool::new("cpu", None),
+            // With every tier off, nothing is staged.
+            devices: Vec::new(),
             spare: None,
             stats: CacheStats::default(),
         }
@@ -188,6 +214,16 @@ impl ConversationCache {
 
     fn refuse(&mut self, gate: Gate) {
         *self.stats.refusals.entry(gate).or_default() += 1;
+    }
+
+    /// A refusal by one device's pool: counted under the `device` gate and by the device's name.
+    fn refuse_on_device(&mut self, device: &str) {
+        self.refuse(Gate::Device);
+        *self
+            .stats
+            .device_refusals
+            .entry(device.to_string())
+            .or_default() += 1;
     }
 
     fn refresh_sizes(&mut self) {
@@ -222,22 +258,86 @@ impl ConversationCache {
         self.gate.admit(need)
     }
 
+    /// Reserves each device's part of the staging buffer that is not reserved yet; all or
+    /// nothing: a refusal by any device gives back what this call reserved, and names the device.
+    fn reserve_device_staging(&mut self) -> std::result::Result<(), DeviceRefusal> {
+        let mut taken = Vec::new();
+        for (i, part) in self.devices.iter().enumerate() {
+            if part.reservation.is_some() {
+                continue;
+            }
+            let memory = &part.device.memory;
+            match memory.reserve(Purpose::Staging, part.device.bytes as u64) {
+                Ok(r) => taken.push((i, r)),
+                Err(refusal) => {
+                    return Err(DeviceRefusal {
+                        device: memory.device().to_string(),
+                        refusal,
+                    })
+                }
+            }
+        }
+        for (i, r) in taken {
+            self.devices[i].reservation = Some(r);
+        }
+        Ok(())
+    }
+
     /// The one-block staging buffer of disk moves, allocated on first use through the RAM gate
-    /// (a refusal refuses that move; a later one tries again). Kept for the engine's life.
+    /// and each device's pool (a refusal refuses that move, counted by gate, and by device for
+    /// a device's; a later one tries again). Kept for the engine's life.
     fn staging(&mut self) -> std::result::Result<(), String> {
         if self.scratch.len() == self.block_bytes {
             return Ok(());
         }
-        self.admit_ram(self.block_bytes as u64)
-            .map_err(|r| format!("no staging buffer: {r}"))?;
-        let reservation = self
-            .memory
-            .reserve(Purpose::Staging, self.block_bytes as u64)
-            .map_err(|r| format!("no staging buffer: {r}"))?;
+        if let Err(r) = self.admit_ram(self.block_bytes as u64) {
+            self.refuse(Gate::Ram);
+            return Err(format!("no staging buffer: {r}"));
+        }
+        if let Err(r) = self.reserve_device_staging() {
+            self.refuse_on_device(&r.device);
+            return Err(format!("no staging buffer: {}", r.refusal));
+        }
         self.scratch =
             zeroed_block(self.block_bytes).map_err(|e| format!("no staging buffer: {e}"))?;
-        self.scratch_reservation = Some(reservation);
         Ok(())
+    }
+
+    /// Asks every device of the split whether it can take an onload of `blocks` blocks from
+    /// block `from` of the prompt, counting what the move itself would allocate on each: the
+    /// staging buffer's part, on first use, when a block comes from disk (on a GPU, also the
+    /// copy stream created on first use). Blocks free or evictable are asked of the shared block
+    /// table by the caller. A refusal is counted (gate `device`, and by device) and logged naming
+    /// the device; the data stays below and the prompt is read.
+    pub fn admit_onload(
+        &mut self,
+        hashes: &[u64],
+        tokens: &[u32],
+        from: usize,
+        blocks: usize,
+    ) -> bool {
+        let bs = self.block_size;
+        let from_disk = (from..from + blocks).any(|i| {
+            let (h, t) = (hashes[i], &tokens[i * bs..(i + 1) * bs]);
+            !self.host.contains(h, t)
+        });
+        if !from_disk {
+            return true;
+        }
+        match self.reserve_device_staging() {
+            Ok(()) => true,
+            Err(r) => {
+                self.refuse_on_device(&r.device);
+                log::info!(
+                    target: LOG,
+                    "skip onload of {} tokens: device {} cannot take its part of the staging buffer: {}",
+                    blocks * bs,
+                    r.device,
+                    r.refusal
+                );
+                false
+            }
+        }
     }
 
     /// Cached device blocks about to be reused: their K/V goes to the host tier when the RAM
@@ -397,7 +497,6 @@ impl ConversationCache {
             return Some(Err("write failed (injected fault)".into()));
         }
         if let Err(why) = self.staging() {
-            self.refuse(Gate::Ram);
             self.count(Tier::Device, Tier::Disk, MoveResult::Refused, 1);
             return Some(Err(why));
         }
@@ -677,8 +776,16 @@ mod tests {
             block_bytes: pool.bytes_per_block() as u64,
         };
         let cache =
-            ConversationCache::new(&opts, layout, gate, MemoryPool::new("cpu", None)).unwrap();
+            ConversationCache::new(&opts, layout, gate, vec![cpu_part(&pool, None)]).unwrap();
         (pool, cache)
+    }
+
+    /// The whole pool as one device "cpu" with `capacity`.
+    fn cpu_part(pool: &BlockPool, capacity: Option<u64>) -> DevicePart {
+        DevicePart {
+            memory: MemoryPool::new("cpu", capacity),
+            bytes: pool.bytes_per_block(),
+        }
     }
 
     /// Fills a sequence of `tokens` into fresh blocks (K = token id, V = -id), registers its
@@ -788,7 +895,7 @@ mod tests {
         let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
         let block = pool.bytes_per_block() as u64;
         assert_eq!(
-            cache.memory.in_use(Purpose::Staging),
+            cache.devices[0].device.memory.in_use(Purpose::Staging),
             0,
             "allocated on first use"
         );
@@ -797,18 +904,18 @@ mod tests {
         cache.offload(&pool, &a.evicted);
         assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
         assert_eq!(
-            cache.memory.in_use(Purpose::Staging),
+            cache.devices[0].device.memory.in_use(Purpose::Staging),
             block,
             "one buffer, reused"
         );
-        let memory = cache.memory.clone();
+        let memory = cache.devices[0].device.memory.clone();
         drop(cache);
         assert_eq!(memory.total_in_use(), 0, "released with the cache");
 
         // A device pool with no room left for it: the disk moves are refused, nothing staged.
         let dir = tempfile::tempdir().unwrap();
         let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
-        cache.memory = MemoryPool::new("cpu", Some(block - 1));
+        cache.devices[0].device.memory = MemoryPool::new("cpu", Some(block - 1));
         cached_sequence(&mut pool, &tokens);
         let a = pool.allocate(4).unwrap();
         cache.offload(&pool, &a.evicted);
@@ -816,8 +923,89 @@ mod tests {
             moved(&cache, Tier::Device, Tier::Disk, MoveResult::Refused),
             3
         );
-        assert_eq!(cache.memory.total_in_use(), 0);
+        assert_eq!(cache.devices[0].device.memory.total_in_use(), 0);
         assert!(cache.scratch.is_empty());
+        assert_eq!(cache.stats().refusals.get(&Gate::Device), Some(&3));
+        assert_eq!(cache.stats().device_refusals.get("cpu"), Some(&3));
+        assert_eq!(cache.stats().refusals.get(&Gate::Ram), None);
+    }
+
+    #[test]
+    fn an_onload_from_disk_is_admitted_per_device_and_refused_naming_the_full_one() {
+        let tokens = [51u32, 52, 53, 54, 55, 56];
+        let dir = tempfile::tempdir().unwrap();
+        // A first cache (host tier off) writes three blocks to disk.
+        let (mut pool, mut cache) = setup(dir.path(), 4, 1 << 20, 0, 1, "");
+        let hashes = cached_sequence(&mut pool, &tokens);
+        let a = pool.allocate(4).unwrap();
+        cache.offload(&pool, &a.evicted);
+        pool.release(&a.blocks);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Disk, MoveResult::Ok), 3);
+        drop(cache);
+
+        // The same blocks seen by a cache over two devices; the second has 1 byte left for
+        // its part of the staging buffer.
+        let half = pool.bytes_per_block() / 2;
+        let two = |second: Option<u64>| {
+            let meminfo = dir.path().join("meminfo");
+            let gate = RamGate::with_paths(meminfo, CgroupMemory::None, 0);
+            let opts = CacheOptions {
+                host_cache_mib: 0,
+                disk_cache_dir: Some(dir.path().join("kv")),
+                disk_cache_mib: 1,
+                ..CacheOptions::default()
+            };
+            let layout = BlockLayout {
+                salt: 7,
+                kv_dtype: 4,
+                block_size: BS as u32,
+                num_layers: 1,
+                kv_heads: 1,
+                head_dim: 2,
+                block_bytes: pool.bytes_per_block() as u64,
+            };
+            let parts = vec![
+                DevicePart {
+                    memory: MemoryPool::new("cpu:0", None),
+                    bytes: half,
+                },
+                DevicePart {
+                    memory: MemoryPool::new("cpu:1", second),
+                    bytes: half,
+                },
+            ];
+            ConversationCache::new(&opts, layout, gate, parts).unwrap()
+        };
+        let mut tight = two(Some(1));
+        assert_eq!(tight.probe(&hashes, &tokens, 0), 3);
+        assert!(!tight.admit_onload(&hashes, &tokens, 0, 3));
+        assert_eq!(tight.stats().refusals.get(&Gate::Device), Some(&1));
+        assert_eq!(
+            tight.stats().device_refusals,
+            [("cpu:1".to_string(), 1)].into_iter().collect()
+        );
+        // All or nothing: cpu:0's part was given back.
+        let staged: Vec<u64> = tight
+            .devices
+            .iter()
+            .map(|d| d.device.memory.in_use(Purpose::Staging))
+            .collect();
+        assert_eq!(staged, [0, 0]);
+        drop(tight);
+
+        // With room on both, each device reserves its part and the restore happens.
+        let mut roomy = two(None);
+        assert!(roomy.admit_onload(&hashes, &tokens, 0, 3));
+        let staged: Vec<u64> = roomy
+            .devices
+            .iter()
+            .map(|d| d.device.memory.in_use(Purpose::Staging))
+            .collect();
+        assert_eq!(staged, [half as u64, half as u64]);
+        let dst = pool.allocate(3).unwrap().blocks;
+        assert_eq!(roomy.onload(&mut pool, &dst, &hashes, &tokens, 0), 3);
+        assert_eq!(keys(&pool, &dst, 6), tokens.map(|t| t as f32));
+        assert!(roomy.stats().device_refusals.is_empty());
     }
 
     #[test]

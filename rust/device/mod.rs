@@ -10,12 +10,17 @@ pub mod cuda;
 pub mod graphs;
 pub mod host;
 pub mod memory_pool;
+pub mod split;
 
 use crate::error::{Result, StrataError};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
+    /// The host, as one device (`cpu`).
     Cpu,
+    /// The host, as several devices holding consecutive layer ranges (`cpu:0,1`), each with its
+    /// own memory pool: the layer split's machinery, run and tested without a GPU.
+    CpuList(Vec<usize>),
     /// One GPU, or several holding consecutive layer ranges (`cuda:0,1`).
     Cuda(Vec<usize>),
 }
@@ -29,7 +34,7 @@ pub struct CudaDeviceInfo {
 }
 
 impl Device {
-    /// Parses "cpu", "cuda", "cuda:N" or "cuda:N,M,...".
+    /// Parses "cpu", "cpu:N,M,...", "cuda", "cuda:N" or "cuda:N,M,...".
     pub fn parse(spec: &str) -> Result<Device> {
         let bad = |why: &str| StrataError::invalid("device", format!("{spec:?}: {why}"));
         let s = spec.trim();
@@ -39,11 +44,16 @@ impl Device {
         if s == "cuda" {
             return Ok(Device::Cuda(vec![0]));
         }
-        let Some(list) = s.strip_prefix("cuda:") else {
-            return Err(bad(
-                "expected \"cpu\", \"cuda\", \"cuda:N\" or \"cuda:N,M\"",
-            ));
-        };
+        let (list, make): (&str, fn(Vec<usize>) -> Device) =
+            if let Some(list) = s.strip_prefix("cuda:") {
+                (list, Device::Cuda)
+            } else if let Some(list) = s.strip_prefix("cpu:") {
+                (list, Device::CpuList)
+            } else {
+                return Err(bad(
+                    "expected \"cpu\", \"cpu:N,M\", \"cuda\", \"cuda:N\" or \"cuda:N,M\"",
+                ));
+            };
         let mut ids = Vec::new();
         for part in list.split(',') {
             let id: usize = part
@@ -55,18 +65,32 @@ impl Device {
             }
             ids.push(id);
         }
-        Ok(Device::Cuda(ids))
+        Ok(make(ids))
     }
 
+    /// The whole spec, normalized: "cpu", "cpu:0,1", "cuda:0".
     pub fn name(&self) -> String {
         match self {
             Device::Cpu => "cpu".into(),
-            Device::Cuda(ids) => {
-                let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
-                format!("cuda:{}", ids.join(","))
-            }
+            Device::CpuList(ids) => format!("cpu:{}", join(ids)),
+            Device::Cuda(ids) => format!("cuda:{}", join(ids)),
         }
     }
+
+    /// One name per device of the list, in layer order: "cpu" for plain `cpu`, else "cpu:0",
+    /// "cpu:1", "cuda:0", ... (the `device` label of the memory metrics).
+    pub fn members(&self) -> Vec<String> {
+        match self {
+            Device::Cpu => vec!["cpu".into()],
+            Device::CpuList(ids) => ids.iter().map(|i| format!("cpu:{i}")).collect(),
+            Device::Cuda(ids) => ids.iter().map(|i| format!("cuda:{i}")).collect(),
+        }
+    }
+}
+
+fn join(ids: &[usize]) -> String {
+    let ids: Vec<String> = ids.iter().map(|i| i.to_string()).collect();
+    ids.join(",")
 }
 
 /// The GPUs this process can use; empty when there is no driver (or no "cuda" feature).
@@ -121,8 +145,30 @@ mod tests {
         assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(vec![0]));
         assert_eq!(Device::parse("cuda:0,1").unwrap(), Device::Cuda(vec![0, 1]));
         assert_eq!(
+            Device::parse("cpu:0,1").unwrap(),
+            Device::CpuList(vec![0, 1])
+        );
+        assert_eq!(Device::parse(" cpu:1, 0 ").unwrap().name(), "cpu:1,0");
+        assert_eq!(
+            Device::parse("cpu:0,1").unwrap().members(),
+            ["cpu:0", "cpu:1"]
+        );
+        assert_eq!(Device::parse("cpu").unwrap().members(), ["cpu"]);
+        assert_eq!(
+            Device::parse("cuda:2,3").unwrap().members(),
+            ["cuda:2", "cuda:3"]
+        );
+        assert_eq!(
             Device::parse("tpu").unwrap_err().to_string(),
-            "device: \"tpu\": expected \"cpu\", \"cuda\", \"cuda:N\" or \"cuda:N,M\""
+            "device: \"tpu\": expected \"cpu\", \"cpu:N,M\", \"cuda\", \"cuda:N\" or \"cuda:N,M\""
+        );
+        assert_eq!(
+            Device::parse("cpu:0,x").unwrap_err().to_string(),
+            "device: \"cpu:0,x\": device indices must be non-negative integers"
+        );
+        assert_eq!(
+            Device::parse("cpu:1,1").unwrap_err().to_string(),
+            "device: \"cpu:1,1\": a device index appears twice"
         );
         assert_eq!(
             Device::parse("cuda:0,0").unwrap_err().to_string(),

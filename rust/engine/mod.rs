@@ -15,10 +15,10 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::bench::{self, BenchReport, BenchSpec};
 use crate::cache::disk::BlockLayout;
-use crate::cache::{CacheOptions, ConversationCache};
+use crate::cache::{CacheOptions, ConversationCache, DevicePart};
 use crate::device::host::RamGate;
 use crate::device::memory_pool::{MemoryPool, PoolSnapshot};
-use crate::device::{self, Device};
+use crate::device::{self, split, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
@@ -26,7 +26,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::Model;
 use core::EngineCore;
 use request::{CancelFlag, Event, Request, SamplingParams};
-use runner::ModelRunner;
+use runner::{ModelRunner, Stage};
 use scheduler::Scheduler;
 use stats::EngineStats;
 
@@ -62,6 +62,12 @@ pub struct EngineOptions {
     pub max_context: Option<usize>,
     /// The conversation cache below the device.
     pub cache: CacheOptions,
+    /// Each device's capacity in MiB ("300,120"), one per device of `device`, in its order;
+    /// `None`: not configured (the CPU's pools account and never refuse).
+    pub device_memory_mib: Option<String>,
+    /// Layers per device of `device` ("20,10"); `None`: in proportion to each device's free
+    /// memory, evenly when it is not known.
+    pub layer_split: Option<String>,
 }
 
 impl Default for EngineOptions {
@@ -75,6 +81,8 @@ impl Default for EngineOptions {
             kv_memory_mib: None,
             max_context: None,
             cache: CacheOptions::default(),
+            device_memory_mib: None,
+            layer_split: None,
         }
     }
 }
@@ -97,6 +105,10 @@ pub struct EngineInfo {
     pub block_size: usize,
     /// Bytes of K/V one block holds (all layers).
     pub kv_block_bytes: usize,
+    /// The devices of `device`, one name each ("cpu", or "cpu:0", "cpu:1", ...), in layer order.
+    pub devices: Vec<String>,
+    /// Layers each device of `devices` holds.
+    pub layer_split: Vec<usize>,
     pub decode_weight_bytes: usize,
 }
 
@@ -124,8 +136,8 @@ pub struct Engine {
     /// Requests submitted and not yet admitted (the engine thread counts them down).
     queued: Arc<AtomicUsize>,
     stats: Arc<Mutex<EngineStats>>,
-    /// The device's memory accounting, shared with what the engine thread owns.
-    memory: MemoryPool,
+    /// Each device's memory accounting, shared with what the engine thread owns.
+    memory: Vec<MemoryPool>,
 }
 
 /// A submitted request: its stream of events and the switch that cancels it.
@@ -135,10 +147,101 @@ pub struct Submission {
     pub cancel: CancelFlag,
 }
 
+/// What bounds the K/V pool on devices with a configured capacity.
+struct DeviceSizing<'a> {
+    devices: &'a [String],
+    capacities: &'a [Option<u64>],
+    layer_split: &'a [usize],
+    /// Bytes of one block's K/V on each device.
+    part_bytes: &'a [usize],
+    max_batch_tokens: usize,
+    max_batch: usize,
+    threads: usize,
+}
+
+impl DeviceSizing<'_> {
+    /// The default K/V pool (`wanted` blocks) cut to what the tightest device holds next to its
+    /// weights and workspace: the block table is shared, so every device holds every block's
+    /// part for its layers. The workspace is counted as it will be allocated: the RoPE table
+    /// and the block-table hint grow with the context, which the pool bounds
+    /// (`min(max_context, blocks x BLOCK_SIZE)` positions), and the last device holds the
+    /// logits rows. So the reservations made at load fit, with the most blocks that do.
+    fn blocks_that_fit(&self, model: &Model, wanted: usize, max_context: usize) -> Result<usize> {
+        if self.capacities.iter().all(Option::is_none) {
+            return Ok(wanted);
+        }
+        let c = &model.config;
+        let f32s = std::mem::size_of::<f32>() as u64;
+        // Made while the model's RoPE table is empty: its block-table hint is the step's rows.
+        let base = crate::model::forward::Workspace::new(model, self.max_batch_tokens, self.threads)
+            .bytes() as u64;
+        let context_bytes = |blocks: usize| -> u64 {
+            let positions = max_context.min(blocks.saturating_mul(BLOCK_SIZE)) as u64;
+            // cos and sin (head_dim / 2 each per position), and a quarter of the positions in
+            // u32s for the block-table hint.
+            positions
+                .saturating_mul(c.head_dim as u64 * f32s)
+                .saturating_add(positions / 4 * f32s)
+        };
+        let ranges = split::ranges(self.layer_split);
+        let last = self.devices.len() - 1;
+        let mut blocks = wanted;
+        for (d, capacity) in self.capacities.iter().enumerate() {
+            let Some(capacity) = *capacity else { continue };
+            let weights = model.stage_weight_bytes(ranges[d].clone(), d == 0, d == last) as u64;
+            let logits = if d == last {
+                (self.max_batch.min(self.max_batch_tokens) * c.vocab_size) as u64 * f32s
+            } else {
+                0
+            };
+            let part = self.part_bytes[d] as u64;
+            let need = |b: usize| -> u64 {
+                weights
+                    .saturating_add(base)
+                    .saturating_add(logits)
+                    .saturating_add(context_bytes(b))
+                    .saturating_add((b as u64).saturating_mul(part))
+            };
+            if need(1) > capacity {
+                return Err(StrataError::invalid(
+                    "device_memory_mib",
+                    format!(
+                        "device {} holds {} bytes; its weights and workspace with one K/V block \
+                         need {}",
+                        self.devices[d],
+                        capacity,
+                        need(1)
+                    ),
+                ));
+            }
+            // need() grows with the blocks: the most that fit, by bisection.
+            let (mut lo, mut hi) = (1, blocks);
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if need(mid) <= capacity {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            blocks = lo;
+        }
+        Ok(blocks)
+    }
+}
+
 impl Engine {
     /// Loads the model folder and starts the engine thread. Blocking: run it off the event loop.
     pub fn load(dir: &Path, opts: EngineOptions) -> Result<Engine> {
         device::check_available(&opts.device)?;
+        let devices = opts.device.members();
+        let capacities: Vec<Option<u64>> = match &opts.device_memory_mib {
+            Some(spec) => split::parse_device_memory(spec, &devices)?
+                .into_iter()
+                .map(Some)
+                .collect(),
+            None => vec![None; devices.len()],
+        };
         let mut cache_opts = opts.cache.clone();
         if cache_opts.faults.is_empty() {
             // Fault injection reaches a server's engine through its environment.
@@ -170,6 +273,10 @@ impl Engine {
             return Err(StrataError::model_load(dir, "not a directory"));
         }
         let config = ModelConfig::load(dir)?;
+        let layer_split = match &opts.layer_split {
+            Some(spec) => split::parse_layer_split(spec, &devices, config.num_layers)?,
+            None => split::default_layer_split(&devices, &capacities, config.num_layers)?,
+        };
         let tokenizer = Tokenizer::load(dir)?;
         let max_context = match opts.max_context {
             Some(0) => return Err(StrataError::invalid("max_context", "must be at least 1")),
@@ -189,16 +296,40 @@ impl Engine {
             config.head_dim,
             kv_dtype,
         );
+        let part_bytes: Vec<usize> = layer_split
+            .iter()
+            .map(|&layers| {
+                BlockPool::block_bytes(
+                    layers,
+                    BLOCK_SIZE,
+                    config.num_kv_heads,
+                    config.head_dim,
+                    kv_dtype,
+                )
+            })
+            .collect();
         let kv_blocks = match opts.kv_memory_mib {
             Some(mib) => {
                 mib.checked_mul(1 << 20).ok_or_else(|| {
                     StrataError::invalid("kv_memory_mib", format!("{mib} MiB is too large"))
                 })? / block_bytes
             }
-            None => max_context
-                .div_ceil(BLOCK_SIZE)
-                .min((2048 << 20) / block_bytes)
-                .max(1),
+            None => {
+                let wanted = max_context
+                    .div_ceil(BLOCK_SIZE)
+                    .min((2048 << 20) / block_bytes)
+                    .max(1);
+                let sizing = DeviceSizing {
+                    devices: &devices,
+                    capacities: &capacities,
+                    layer_split: &layer_split,
+                    part_bytes: &part_bytes,
+                    max_batch_tokens: opts.max_batch_tokens.min(max_context),
+                    max_batch: opts.max_batch,
+                    threads,
+                };
+                sizing.blocks_that_fit(&model, wanted, max_context)?
+            }
         };
         // One sequence must fit in the pool, else no request of max_context could ever run.
         let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
@@ -216,13 +347,34 @@ impl Engine {
             head_dim: config.head_dim as u32,
             block_bytes: block_bytes as u64,
         };
-        // The CPU's capacity is not configured: the pool accounts, and the OS decides what fits.
-        let memory = MemoryPool::new(opts.device.name(), None);
+        // Without device_memory_mib the CPU's capacity is not configured: the pool accounts, and
+        // the OS decides what fits.
+        let memory: Vec<MemoryPool> = devices
+            .iter()
+            .zip(&capacities)
+            .map(|(name, &capacity)| MemoryPool::new(name.clone(), capacity))
+            .collect();
         let gate = RamGate::system((cache_opts.host_min_free_mib as u64) << 20);
-        let cache = ConversationCache::new(&cache_opts, layout, gate, memory.clone())?;
+        let parts = memory
+            .iter()
+            .zip(&part_bytes)
+            .map(|(pool, &bytes)| DevicePart {
+                memory: pool.clone(),
+                bytes,
+            })
+            .collect();
+        let cache = ConversationCache::new(&cache_opts, layout, gate, parts)?;
         let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
-        let runner = ModelRunner::new(
-            &memory,
+        let stages: Vec<Stage> = memory
+            .iter()
+            .zip(&layer_split)
+            .map(|(pool, &layers)| Stage {
+                memory: pool.clone(),
+                layers,
+            })
+            .collect();
+        let runner = ModelRunner::split(
+            &stages,
             model,
             kv_blocks,
             BLOCK_SIZE,
@@ -245,6 +397,8 @@ impl Engine {
             kv_blocks,
             block_size: BLOCK_SIZE,
             kv_block_bytes: block_bytes,
+            devices: devices.clone(),
+            layer_split: layer_split.clone(),
         };
         let tokenizer = Arc::new(tokenizer);
         let queued = Arc::new(AtomicUsize::new(0));
@@ -254,8 +408,12 @@ impl Engine {
             cache: cache.stats().clone(),
             ..Default::default()
         }));
+        // The logits are the last device's output.
+        let last_device = memory
+            .last()
+            .ok_or_else(|| StrataError::Internal("no device".into()))?;
         let core = EngineCore::new(
-            &memory,
+            last_device,
             runner,
             Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt),
             cache,
@@ -350,7 +508,7 @@ impl Engine {
 
     /// The memory accounting of each device the engine uses, read now (not as of the last step).
     pub fn memory(&self) -> Vec<PoolSnapshot> {
-        vec![self.memory.snapshot()]
+        self.memory.iter().map(MemoryPool::snapshot).collect()
     }
 
     fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {

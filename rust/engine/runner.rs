@@ -9,14 +9,22 @@ use crate::model::Model;
 pub struct ModelRunner {
     pub model: Model,
     pub kv: BlockPool,
-    pub ws: Workspace,
+    /// One workspace per device of the layer split, in layer order.
+    pub ws: Vec<Workspace>,
     pool: rayon::ThreadPool,
-    /// The device memory the fields above hold, released when the runner is dropped.
-    _memory: RunnerMemory,
+    /// The device memory the fields above hold, per device, released when the runner is dropped.
+    _memory: Vec<RunnerMemory>,
 }
 
-/// A runner's reservations in its device's [`MemoryPool`], one per thing it owns; never read,
-/// held for their `Drop`.
+/// One device of a layer split: its memory pool and how many consecutive layers it holds.
+#[derive(Clone, Debug)]
+pub struct Stage {
+    pub memory: MemoryPool,
+    pub layers: usize,
+}
+
+/// A runner's reservations in one device's [`MemoryPool`], one per thing it owns there; never
+/// read, held for their `Drop`.
 struct RunnerMemory {
     _weights: Reservation,
     _kv: Reservation,
@@ -31,9 +39,10 @@ fn refused(field: &str, refusal: PoolRefusal) -> StrataError {
 }
 
 impl ModelRunner {
-    /// Builds the K/V pool and the workspace for `model`, accounting them and the model's
-    /// weights in `memory` (the device's pool): a refusal fails the load before the K/V pool is
-    /// allocated; the workspace, whose size its allocations decide, is accounted right after.
+    /// Builds the K/V pool and the workspace for `model` on one device, accounting them and the
+    /// model's weights in `memory` (the device's pool): a refusal fails the load before the K/V
+    /// pool is allocated; the workspace, whose size its allocations decide, is accounted right
+    /// after.
     pub fn new(
         memory: &MemoryPool,
         model: Model,
@@ -43,34 +52,95 @@ impl ModelRunner {
         threads: usize,
         kv_dtype: KvDtype,
     ) -> Result<ModelRunner> {
-        let c = &model.config;
-        let weights = memory
-            .reserve(Purpose::Weights, model.weight_bytes() as u64)
-            .map_err(|r| refused("device", r))?;
-        let kv_bytes = BlockPool::block_bytes(
-            c.num_layers,
+        let stage = Stage {
+            memory: memory.clone(),
+            layers: model.config.num_layers,
+        };
+        Self::split(
+            &[stage],
+            model,
+            kv_blocks,
             block_size,
-            c.num_kv_heads,
-            c.head_dim,
+            max_batch_tokens,
+            threads,
             kv_dtype,
         )
-        .checked_mul(kv_blocks)
-        .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
-        let kv_reserved = memory
-            .reserve(Purpose::Kv, kv_bytes as u64)
-            .map_err(|r| refused("kv_memory_mib", r))?;
-        let kv = BlockPool::new(
-            c.num_layers,
+    }
+
+    /// As [`ModelRunner::new`], with the layers split across `stages` (consecutive ranges, in
+    /// order): each device accounts its own layers' weights (the embedding on the first, the
+    /// final norm and head on the last), the K/V of its layers for every block, and a workspace
+    /// of its own with the RoPE table.
+    pub fn split(
+        stages: &[Stage],
+        model: Model,
+        kv_blocks: usize,
+        block_size: usize,
+        max_batch_tokens: usize,
+        threads: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<ModelRunner> {
+        let c = &model.config;
+        let counts: Vec<usize> = stages.iter().map(|s| s.layers).collect();
+        if stages.is_empty() || counts.iter().sum::<usize>() != c.num_layers {
+            return Err(StrataError::Internal(format!(
+                "a split of {counts:?} layers for a model of {}",
+                c.num_layers
+            )));
+        }
+        let ranges = crate::device::split::ranges(&counts);
+        let last = stages.len() - 1;
+        let mut weights = Vec::with_capacity(stages.len());
+        let mut kv_reserved = Vec::with_capacity(stages.len());
+        for (d, stage) in stages.iter().enumerate() {
+            let bytes = model.stage_weight_bytes(ranges[d].clone(), d == 0, d == last);
+            weights.push(
+                stage
+                    .memory
+                    .reserve(Purpose::Weights, bytes as u64)
+                    .map_err(|r| refused("device", r))?,
+            );
+        }
+        for stage in stages {
+            let kv_bytes = BlockPool::block_bytes(
+                stage.layers,
+                block_size,
+                c.num_kv_heads,
+                c.head_dim,
+                kv_dtype,
+            )
+            .checked_mul(kv_blocks)
+            .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
+            kv_reserved.push(
+                stage
+                    .memory
+                    .reserve(Purpose::Kv, kv_bytes as u64)
+                    .map_err(|r| refused("kv_memory_mib", r))?,
+            );
+        }
+        let kv = BlockPool::split(
+            &counts,
             kv_blocks,
             block_size,
             c.num_kv_heads,
             c.head_dim,
             kv_dtype,
         )?;
-        let ws = Workspace::new(&model, max_batch_tokens, threads);
-        let workspace = memory
-            .reserve(Purpose::Workspace, (ws.bytes() + model.rope.bytes()) as u64)
-            .map_err(|r| refused("max_batch_tokens", r))?;
+        let mut ws = Vec::with_capacity(stages.len());
+        let mut memory = Vec::with_capacity(stages.len());
+        for ((stage, weights), kv) in stages.iter().zip(weights).zip(kv_reserved) {
+            let w = Workspace::new(&model, max_batch_tokens, threads);
+            let workspace = stage
+                .memory
+                .reserve(Purpose::Workspace, (w.bytes() + model.rope.bytes()) as u64)
+                .map_err(|r| refused("max_batch_tokens", r))?;
+            ws.push(w);
+            memory.push(RunnerMemory {
+                _weights: weights,
+                _kv: kv,
+                _workspace: workspace,
+            });
+        }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("strata-compute-{i}"))
@@ -81,11 +151,7 @@ impl ModelRunner {
             kv,
             ws,
             pool,
-            _memory: RunnerMemory {
-                _weights: weights,
-                _kv: kv_reserved,
-                _workspace: workspace,
-            },
+            _memory: memory,
         })
     }
 
@@ -123,7 +189,7 @@ impl ModelRunner {
         out: &mut [f32],
     ) -> Result<()> {
         let vocab = self.model.config.vocab_size;
-        let step = self.ws.max_tokens();
+        let step = self.ws[0].max_tokens();
         let chunks = ids.len().div_ceil(step);
         for (i, chunk) in ids.chunks(step).enumerate() {
             let pos = start + i * step;

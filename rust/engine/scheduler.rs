@@ -154,7 +154,11 @@ impl Scheduler {
         for &b in &hit {
             kv.retain(b);
         }
-        let below = cache.probe(&seq.hashes[..usable], &seq.tokens, hit.len());
+        let mut below = cache.probe(&seq.hashes[..usable], &seq.tokens, hit.len());
+        // Every device of the split must be able to take what the move allocates on it.
+        if below > 0 && !cache.admit_onload(&seq.hashes, &seq.tokens, hit.len(), below) {
+            below = 0;
+        }
         // Blocks for the restored prefix and the first chunk after it.
         let need = |restored: usize| {
             let cached = (hit.len() + restored) * bs;

@@ -141,6 +141,12 @@ fn store_fence() {
     };
 }
 
+/// The K/V blocks of one model: one block table for every layer, the K/V arrays per layer.
+///
+/// With a layer split, each device keeps the arrays of its own layers (`stages[d]` is device
+/// `d`'s layer range) and a block id means the same token rows on every device, so the
+/// bookkeeping below (refcounts, free list, prefix index) is shared, as the block manager of
+/// vLLM's pipeline stages is: the number of blocks is what the tightest device can hold.
 pub struct BlockPool {
     block_size: usize,
     num_blocks: usize,
@@ -148,6 +154,8 @@ pub struct BlockPool {
     head_dim: usize,
     kv_dtype: KvDtype,
     layers: Vec<LayerStore>,
+    /// Each device's layers, consecutive, in order; one range without a split.
+    stages: Vec<std::ops::Range<usize>>,
     refcount: Vec<u32>,
     /// Blocks that hold nothing worth keeping; popped from the end.
     free: Vec<u32>,
@@ -175,6 +183,28 @@ impl BlockPool {
         head_dim: usize,
         kv_dtype: KvDtype,
     ) -> Result<BlockPool> {
+        Self::split(
+            &[num_layers],
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            kv_dtype,
+        )
+    }
+
+    /// A pool whose layers are split across devices, `layer_counts[d]` consecutive layers on
+    /// device `d`.
+    pub fn split(
+        layer_counts: &[usize],
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<BlockPool> {
+        let stages = crate::device::split::ranges(layer_counts);
+        let num_layers = layer_counts.iter().sum();
         if num_blocks == 0 || block_size == 0 {
             return Err(StrataError::invalid(
                 "kv_memory_mib",
@@ -217,6 +247,7 @@ impl BlockPool {
             head_dim,
             kv_dtype,
             layers,
+            stages,
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
             prefix: PrefixIndex::new(num_blocks),
@@ -276,9 +307,26 @@ impl BlockPool {
         self.prefix.iter()
     }
 
+    /// The devices the layers are split across (1 without a split).
+    pub fn num_stages(&self) -> usize {
+        self.stages.len()
+    }
+
+    /// The layers device `stage` holds.
+    pub fn stage_layers(&self, stage: usize) -> std::ops::Range<usize> {
+        self.stages[stage].clone()
+    }
+
     /// Bytes the K and V arrays hold as allocated: `num_blocks() * bytes_per_block()`.
     pub fn storage_bytes(&self) -> usize {
-        self.layers
+        (0..self.stages.len())
+            .map(|s| self.stage_storage_bytes(s))
+            .sum()
+    }
+
+    /// Bytes device `stage`'s K and V arrays hold: `num_blocks() * part_bytes(stage)`.
+    pub fn stage_storage_bytes(&self, stage: usize) -> usize {
+        self.layers[self.stages[stage].clone()]
             .iter()
             .map(|l| match l {
                 LayerStore::F32 { k, v } => {
@@ -302,6 +350,22 @@ impl BlockPool {
         )
     }
 
+    /// Bytes of one block's K/V on device `stage` (its layers only).
+    pub fn part_bytes(&self, stage: usize) -> usize {
+        Self::block_bytes(
+            self.stages[stage].len(),
+            self.block_size,
+            self.kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+        )
+    }
+
+    /// Where device `stage`'s part starts in a block as `read_block` lays it out.
+    pub fn part_offset(&self, stage: usize) -> usize {
+        (0..stage).map(|s| self.part_bytes(s)).sum()
+    }
+
     /// The element range of `block` within one layer's K (or V) array.
     fn block_range(&self, block: u32) -> std::ops::Range<usize> {
         let n = self.block_size * self.kv_heads * self.head_dim;
@@ -309,11 +373,23 @@ impl BlockPool {
     }
 
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
-    /// dtype. `out` is `bytes_per_block()` long.
+    /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
+    /// layer order, so the layout is the same whatever the split.
     pub fn read_block(&self, block: u32, out: &mut [u8]) {
+        let mut at = 0;
+        for stage in 0..self.stages.len() {
+            let n = self.part_bytes(stage);
+            self.read_block_part(stage, block, &mut out[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// Copies device `stage`'s part of one block out (`part_bytes(stage)` long): for each of its
+    /// layers, the K rows then the V rows.
+    pub fn read_block_part(&self, stage: usize, block: u32, out: &mut [u8]) {
         let r = self.block_range(block);
         let mut at = 0;
-        for layer in &self.layers {
+        for layer in &self.layers[self.stages[stage].clone()] {
             let (k, v) = match layer {
                 LayerStore::F32 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
                 LayerStore::F16 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
@@ -327,9 +403,20 @@ impl BlockPool {
 
     /// Copies one block's K/V in, laid out as `read_block` writes it.
     pub fn write_block(&mut self, block: u32, data: &[u8]) {
+        let mut at = 0;
+        for stage in 0..self.stages.len() {
+            let n = self.part_bytes(stage);
+            self.write_block_part(stage, block, &data[at..at + n]);
+            at += n;
+        }
+    }
+
+    /// Copies device `stage`'s part of one block in, laid out as `read_block_part` writes it.
+    pub fn write_block_part(&mut self, stage: usize, block: u32, data: &[u8]) {
         let r = self.block_range(block);
         let mut at = 0;
-        for layer in &mut self.layers {
+        let layers = self.stages[stage].clone();
+        for layer in &mut self.layers[layers] {
             let (k, v) = match layer {
                 LayerStore::F32 { k, v } => (
                     as_bytes_mut(&mut k[r.clone()]),
@@ -537,6 +624,55 @@ mod tests {
             let mut again = vec![0u8; n];
             pool.read_block(2, &mut again);
             assert_eq!(bytes, again);
+        }
+    }
+
+    #[test]
+    fn a_split_pool_keeps_each_devices_layers_and_the_same_block_layout() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let mut whole = BlockPool::new(3, 3, 2, 1, 2, dtype).unwrap();
+            let mut split = BlockPool::split(&[2, 1], 3, 2, 1, 2, dtype).unwrap();
+            assert_eq!((split.num_stages(), whole.num_stages()), (2, 1));
+            assert_eq!((split.stage_layers(0), split.stage_layers(1)), (0..2, 2..3));
+            let layer = 2 * 2 * 2 * dtype.size();
+            assert_eq!(
+                (split.part_bytes(0), split.part_bytes(1)),
+                (2 * layer, layer)
+            );
+            assert_eq!((split.part_offset(0), split.part_offset(1)), (0, 2 * layer));
+            assert_eq!(split.bytes_per_block(), whole.bytes_per_block());
+            assert_eq!(split.stage_storage_bytes(0), 3 * 2 * layer);
+            assert_eq!(split.stage_storage_bytes(1), 3 * layer);
+            assert_eq!(split.storage_bytes(), whole.storage_bytes());
+            for layer in 0..3 {
+                for slot in 0..6 {
+                    let x = (layer * 10 + slot) as f32;
+                    whole.write(layer, slot, &[x, x + 0.5], &[-x, -x - 0.5]);
+                    split.write(layer, slot, &[x, x + 0.5], &[-x, -x - 0.5]);
+                }
+            }
+            let n = whole.bytes_per_block();
+            let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+            whole.read_block(1, &mut a);
+            split.read_block(1, &mut b);
+            assert_eq!(a, b, "the same bytes whatever the split");
+            // Each device's part is its slice of the block, and writes back into its layers only.
+            let mut part = vec![0u8; split.part_bytes(1)];
+            split.read_block_part(1, 1, &mut part);
+            assert_eq!(part, a[split.part_offset(1)..]);
+            split.write_block_part(1, 2, &part);
+            let l = split.layer(2);
+            assert_eq!(
+                l.k.get(l.k_index(4, 0, 0)),
+                22.0,
+                "block 1 row 0 of layer 2"
+            );
+            let l = split.layer(0);
+            assert_eq!(l.k.get(l.k_index(4, 0, 0)), 4.0, "layer 0 untouched");
+            split.write_block(0, &a);
+            let mut c = vec![0u8; n];
+            split.read_block(0, &mut c);
+            assert_eq!(c, a);
         }
     }
 

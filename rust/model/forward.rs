@@ -110,19 +110,69 @@ impl Workspace {
     }
 }
 
+impl Workspace {
+    /// The activation hand-off at a layer-split boundary: the next device gets the hidden rows
+    /// and the step's plan (each row's position and block table, its K/V slot). On the CPU it is
+    /// a copy between two buffers of host memory; a GPU backend copies device to device here
+    /// (peer copy, or through the host), ordered after the producing device's compute.
+    fn hand_off(&self, next: &mut Workspace, n: usize, hidden: usize) {
+        next.x[..n * hidden].copy_from_slice(&self.x[..n * hidden]);
+        next.rows.clear();
+        next.rows.extend_from_slice(&self.rows);
+        next.tables.clear();
+        next.tables.extend_from_slice(&self.tables);
+        next.slots.clear();
+        next.slots.extend_from_slice(&self.slots);
+    }
+}
+
 impl Model {
     /// Runs one step. Writes each chunk's K/V into `kv`, and the logits of the positions that want
     /// them, in batch order, into `out` (`[rows, vocab]`). Returns the number of logit rows.
+    ///
+    /// `ws` holds one workspace per device of the layer split (`kv.num_stages()`): the first
+    /// device embeds, each device runs its layer range in its own workspace and hands the
+    /// activations to the next, the last one computes the logits. The arithmetic of a row is the
+    /// same whatever the split, so the logits are bitwise those of one device.
     pub fn forward(
         &self,
         batch: &[SeqChunk],
         kv: &mut BlockPool,
-        ws: &mut Workspace,
+        ws: &mut [Workspace],
         out: &mut [f32],
     ) -> Result<usize> {
+        if ws.len() != kv.num_stages() || ws.is_empty() {
+            return Err(StrataError::Internal(format!(
+                "{} workspaces for {} devices",
+                ws.len(),
+                kv.num_stages()
+            )));
+        }
+        let hidden = self.config.hidden_size;
+        let n = self.plan(batch, kv, &mut ws[0], out.len())?;
+        self.embed_tokens(batch, &mut ws[0], n)?;
+        for stage in 0..ws.len() {
+            if stage > 0 {
+                let (done, rest) = ws.split_at_mut(stage);
+                done[stage - 1].hand_off(&mut rest[0], n, hidden);
+            }
+            self.run_layers(kv.stage_layers(stage), kv, &mut ws[stage], n);
+        }
+        let last = ws.len() - 1;
+        Ok(self.logits(batch, &mut ws[last], out))
+    }
+
+    /// Where each token's K/V goes and which positions each query row may see (into `ws`),
+    /// after checking the step against the workspace, the RoPE table, the block tables and the
+    /// logits buffer (`out_len` floats). Returns the step's token count.
+    fn plan(
+        &self,
+        batch: &[SeqChunk],
+        kv: &BlockPool,
+        ws: &mut Workspace,
+        out_len: usize,
+    ) -> Result<usize> {
         let c = &self.config;
-        let (hidden, q_dim, kv_dim, inter) =
-            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let n: usize = batch.iter().map(|s| s.tokens.len()).sum();
         if n == 0 || n > ws.max_tokens {
             return Err(StrataError::Internal(format!(
@@ -130,8 +180,6 @@ impl Model {
                 ws.max_tokens
             )));
         }
-
-        // Where each token's K/V goes and which positions each query row may see.
         ws.rows.clear();
         ws.tables.clear();
         ws.slots.clear();
@@ -161,20 +209,17 @@ impl Model {
                 LogitsWanted::All => s.tokens.len(),
             };
         }
-        if out.len() < logit_rows * c.vocab_size {
+        if out_len < logit_rows * c.vocab_size {
             return Err(StrataError::Internal("logits buffer too small".into()));
         }
+        Ok(n)
+    }
 
+    /// The first device's input: each token's embedding row.
+    fn embed_tokens(&self, batch: &[SeqChunk], ws: &mut Workspace, n: usize) -> Result<()> {
+        let c = &self.config;
+        let hidden = c.hidden_size;
         let x = &mut ws.x[..n * hidden];
-        let xn = &mut ws.xn[..n * hidden];
-        let q = &mut ws.q[..n * q_dim];
-        let k = &mut ws.k[..n * kv_dim];
-        let v = &mut ws.v[..n * kv_dim];
-        let attn = &mut ws.attn[..n * q_dim];
-        let gate = &mut ws.gate[..n * inter];
-        let up = &mut ws.up[..n * inter];
-        let mm = &mut ws.matmul;
-
         for (t, &tok) in batch.iter().flat_map(|s| s.tokens).enumerate() {
             if tok as usize >= c.vocab_size {
                 return Err(StrataError::invalid(
@@ -191,9 +236,33 @@ impl Model {
                 &mut x[t * hidden..(t + 1) * hidden],
             );
         }
+        Ok(())
+    }
+
+    /// One device's share of the step: the layers `layers`, reading and writing their K/V.
+    fn run_layers(
+        &self,
+        layers: std::ops::Range<usize>,
+        kv: &mut BlockPool,
+        ws: &mut Workspace,
+        n: usize,
+    ) {
+        let c = &self.config;
+        let (hidden, q_dim, kv_dim, inter) =
+            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let x = &mut ws.x[..n * hidden];
+        let xn = &mut ws.xn[..n * hidden];
+        let q = &mut ws.q[..n * q_dim];
+        let k = &mut ws.k[..n * kv_dim];
+        let v = &mut ws.v[..n * kv_dim];
+        let attn = &mut ws.attn[..n * q_dim];
+        let gate = &mut ws.gate[..n * inter];
+        let up = &mut ws.up[..n * inter];
+        let mm = &mut ws.matmul;
 
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        for (li, l) in self.layers.iter().enumerate() {
+        for li in layers {
+            let l = &self.layers[li];
             // Attention block.
             rmsnorm(x, &l.attn_norm, c.rms_norm_eps, xn);
             let qkv = &mut [
@@ -264,8 +333,15 @@ impl Model {
             linear(gate, n, l.down_proj.matrix(), None, xn, mm);
             add_in_place(x, xn);
         }
+    }
 
-        // Final norm and the LM head, only for the rows that want logits.
+    /// The last device's output: the final norm and the LM head, only for the rows that want
+    /// logits. Returns the number of logit rows.
+    fn logits(&self, batch: &[SeqChunk], ws: &mut Workspace, out: &mut [f32]) -> usize {
+        let c = &self.config;
+        let hidden = c.hidden_size;
+        let x = &ws.x;
+        let mm = &mut ws.matmul;
         let mut r = 0;
         let mut t0 = 0;
         for s in batch {
@@ -296,7 +372,7 @@ impl Model {
                 mm,
             );
         }
-        Ok(r)
+        r
     }
 }
 

@@ -159,13 +159,31 @@ impl Model {
     /// the embedding itself and counts once. The RoPE table is not a tensor of the file: it is
     /// the workspace's (see `ModelRunner::new`).
     pub fn weight_bytes(&self) -> usize {
+        self.stage_weight_bytes(0..self.layers.len(), true, true)
+    }
+
+    /// Bytes of the tensors one device of a layer split holds: its `layers`, the embedding on
+    /// the `first` device, the final norm and the head on the `last`. A tied head counts once
+    /// when one device holds both ends; split, the last device holds its own copy.
+    pub fn stage_weight_bytes(
+        &self,
+        layers: std::ops::Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> usize {
         let vector = |v: &Vec<f32>| v.len() * std::mem::size_of::<f32>();
         let optional = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, vector);
-        let mut bytes = self.embed.byte_len() + vector(&self.norm);
-        if !self.config.tie_word_embeddings {
-            bytes += self.lm_head.byte_len();
+        let mut bytes = 0;
+        if first {
+            bytes += self.embed.byte_len();
         }
-        for l in &self.layers {
+        if last {
+            bytes += vector(&self.norm);
+            if !(self.config.tie_word_embeddings && first) {
+                bytes += self.lm_head.byte_len();
+            }
+        }
+        for l in &self.layers[layers] {
             bytes += l.matrices().iter().map(|t| t.byte_len()).sum::<usize>();
             bytes += vector(&l.attn_norm) + vector(&l.mlp_norm);
             bytes += [

@@ -3,7 +3,7 @@
 
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::errors::to_pyerr;
 use crate::error::StrataError;
@@ -104,4 +104,37 @@ impl Flag {
             Flag::WrongType(t) => Err(bad(field, format!("must be a bool, got {t}"))),
         }
     }
+}
+
+/// A per-device list option (`device_memory_mib`, `layer_split`) as the core parses it: a str
+/// ("300,120") is taken as it is; a number, or a list or tuple of numbers, is written out that
+/// way (a float as Python's shortest round-trip text), and the core says what is out of range.
+pub fn per_device_list(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    let wrong = || {
+        bad(
+            field,
+            format!(
+                "must be a string such as \"300,120\", a number or a list of numbers, got {}",
+                type_name(v)
+            ),
+        )
+    };
+    let int = |item: &Bound<'_, PyAny>| -> PyResult<String> {
+        let number = item.is_instance_of::<PyInt>() || item.is_instance_of::<PyFloat>();
+        if item.is_instance_of::<PyBool>() || !number {
+            return Err(wrong());
+        }
+        Ok(item.str()?.to_string_lossy().into_owned())
+    };
+    if let Ok(s) = v.cast::<PyString>() {
+        return text(field, s);
+    }
+    if v.is_instance_of::<PyList>() || v.is_instance_of::<PyTuple>() {
+        let items: Vec<String> = v
+            .try_iter()?
+            .map(|item| int(&item?))
+            .collect::<PyResult<_>>()?;
+        return Ok(items.join(","));
+    }
+    int(v)
 }

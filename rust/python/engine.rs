@@ -144,6 +144,11 @@ fn cache_dict<'py>(
     d.set_item("hit_tokens", hits)?;
     d.set_item("moves", moves)?;
     d.set_item("refusals", refusals)?;
+    let device_refusals = PyDict::new(py);
+    for (device, n) in &c.device_refusals {
+        device_refusals.set_item(device, n)?;
+    }
+    d.set_item("device_refusals", device_refusals)?;
     d.set_item("corrupt_files", c.corrupt_files)?;
     d.set_item("adopted_files", c.adopted_files)?;
     let injected = PyDict::new(py);
@@ -280,7 +285,7 @@ impl PyEngine {
     /// InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -297,6 +302,8 @@ impl PyEngine {
         disk_cache_mib: i64,
         disk_cache_days: f64,
         cache_faults: Option<String>,
+        device_memory_mib: Option<&Bound<'py, PyAny>>,
+        layer_split: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
@@ -316,6 +323,12 @@ impl PyEngine {
             kv_memory_mib: usize_arg(kv_memory_mib, "kv_memory_mib")?,
             max_context: usize_arg(max_context, "max_context")?,
             cache,
+            device_memory_mib: device_memory_mib
+                .map(|v| args::per_device_list("device_memory_mib", v))
+                .transpose()?,
+            layer_split: layer_split
+                .map(|v| args::per_device_list("layer_split", v))
+                .transpose()?,
         };
         let load = async move {
             tokio::task::spawn_blocking(move || Engine::load(&path, opts))
@@ -551,6 +564,11 @@ impl PyEngine {
         d.set_item("dtype", i.dtype)?;
         d.set_item("kv_dtype", i.kv_dtype)?;
         d.set_item("device", &i.device)?;
+        let split = PyDict::new(py);
+        for (device, layers) in i.devices.iter().zip(&i.layer_split) {
+            split.set_item(device, layers)?;
+        }
+        d.set_item("layer_split", split)?;
         d.set_item("threads", i.threads)?;
         d.set_item("num_layers", c.num_layers)?;
         d.set_item("hidden_size", c.hidden_size)?;

@@ -198,6 +198,16 @@ class EngineCollector(Collector):
         for gate, n in cache_refusals.items():
             refusals.add_metric([gate], n)
         yield refusals
+        device_refusals = CounterMetricFamily(
+            "strata:device_refusals",
+            "Cache moves refused by one device's memory pool (its part of the staging buffer), "
+            'by device; each is also counted under admission_refusals{gate="device"}',
+            labels=["device"],
+        )
+        by_device = dict.fromkeys(s["memory"], 0) | dict(cache.get("device_refusals", {}))
+        for device, n in by_device.items():
+            device_refusals.add_metric([device], n)
+        yield device_refusals
         yield counter(
             "strata:num_preemptions", "Sequences preempted under K/V pressure", s["preemptions"]
         )
