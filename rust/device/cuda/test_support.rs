@@ -39,8 +39,7 @@ pub struct Gpu {
 }
 
 /// GPU 0 with the kernels loaded, or `None` after printing why the test is skipped (a panic
-/// under `STRATA_REQUIRE_GPU=1`). The kernels compile once per test process, into a cache in
-/// the temp folder.
+/// under `STRATA_REQUIRE_GPU=1`). The kernels compile once, into a cache in the temp folder.
 pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
     let found = match super::probe() {
         Ok(found) if !found.is_empty() => found,
@@ -61,11 +60,9 @@ pub fn gpu_or_skip(test: &str) -> Option<Gpu> {
     };
     nvrtc_or_skip(test)?;
     static CACHE: OnceLock<KernelCache> = OnceLock::new();
-    let cache = CACHE.get_or_init(|| {
-        KernelCache::at(
-            std::env::temp_dir().join(format!("strata-rs-test-kernels-{}", std::process::id())),
-        )
-    });
+    // Keyed by source and NVRTC version like any kernel cache, so test runs can share it.
+    let cache =
+        CACHE.get_or_init(|| KernelCache::at(std::env::temp_dir().join("strata-rs-test-kernels")));
     let ctx =
         CudaContext::new(0).unwrap_or_else(|e| panic!("{test}: a context on {found:?}: {e:?}"));
     let kernels = CudaKernels::load(&ctx, cache)

@@ -19,15 +19,16 @@
 #define ATTN_ACC_PER_LANE (ATTN_MAX_HEAD_DIM / 32)
 
 // rows: [n_rows, 3] u32 (pos, table_start, table_len), the CPU's AttnRow; tables: the block
-// tables of all rows, concatenated, tables_len entries; q, out: [n_rows, n_heads, head_dim]. Grid: (n_rows,
-// n_heads) blocks of ATTN_WARPS * 32 threads. A row whose geometry is invalid (head_dim past
-// ATTN_MAX_HEAD_DIM, a position past its block table, a table past `tables`, a block id past the cache) gets NaN: the
-// kernel never reads out of bounds, and the caller's bug stays visible.
+// tables of all rows, concatenated (tables_len entries); q, out: [n_rows, n_heads, head_dim].
+// Grid: (n_rows, n_heads) blocks of ATTN_WARPS * 32 threads. A row whose geometry is invalid
+// (head_dim past ATTN_MAX_HEAD_DIM, a position past its block table, a table past `tables`, a
+// block id past the cache) gets NaN: the kernel never reads out of bounds, and the caller's bug
+// stays visible.
 template <typename Load>
 __device__ __forceinline__ void attend(const float* q, const u32* rows, const u32* tables,
-                                       u32 tables_len, Load k_cache, Load v_cache, float* out, u32 n_rows,
-                                       u32 n_heads, u32 kv_heads, u32 head_dim, u32 block_size,
-                                       u32 num_blocks, float scale, u32 window) {
+                                       u32 tables_len, Load k_cache, Load v_cache, float* out,
+                                       u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim,
+                                       u32 block_size, u32 num_blocks, float scale, u32 window) {
     const u32 t = blockIdx.x, h = blockIdx.y;
     if (t >= n_rows || h >= n_heads) return;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -134,11 +135,11 @@ __device__ __forceinline__ void attend(const float* q, const u32* rows, const u3
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
     paged_attention_f32(const float* q, const u32* rows, const u32* tables, u32 tables_len,
-                        const float* k_cache,
-                        const float* v_cache, float* out, u32 n_rows, u32 n_heads, u32 kv_heads,
-                        u32 head_dim, u32 block_size, u32 num_blocks, float scale, u32 window) {
-    attend(q, rows, tables, tables_len, LoadF32{k_cache}, LoadF32{v_cache}, out, n_rows, n_heads, kv_heads,
-           head_dim, block_size, num_blocks, scale, window);
+                        const float* k_cache, const float* v_cache, float* out, u32 n_rows,
+                        u32 n_heads, u32 kv_heads, u32 head_dim, u32 block_size, u32 num_blocks,
+                        float scale, u32 window) {
+    attend(q, rows, tables, tables_len, LoadF32{k_cache}, LoadF32{v_cache}, out, n_rows, n_heads,
+           kv_heads, head_dim, block_size, num_blocks, scale, window);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
@@ -146,6 +147,6 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
                         const unsigned short* k_cache, const unsigned short* v_cache, float* out,
                         u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim, u32 block_size,
                         u32 num_blocks, float scale, u32 window) {
-    attend(q, rows, tables, tables_len, LoadF16{k_cache}, LoadF16{v_cache}, out, n_rows, n_heads, kv_heads,
-           head_dim, block_size, num_blocks, scale, window);
+    attend(q, rows, tables, tables_len, LoadF16{k_cache}, LoadF16{v_cache}, out, n_rows, n_heads,
+           kv_heads, head_dim, block_size, num_blocks, scale, window);
 }
