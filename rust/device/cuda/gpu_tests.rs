@@ -578,6 +578,60 @@ fn paged_attention_with_a_bad_block_id_is_nan_not_a_fault() {
     assert!(got[8..].iter().all(|v| v.is_nan()), "{got:?}");
 }
 
+/// The greedy sampler's argmax semantics, written plainly: the first index of the largest
+/// non-NaN value; 0 when nothing is above -inf.
+fn first_argmax(row: &[f32]) -> u32 {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &x) in row.iter().enumerate() {
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    best.0 as u32
+}
+
+#[test]
+fn argmax_matches_the_greedy_samplers() {
+    let Some(gpu) = gpu_or_skip("argmax_matches_the_greedy_samplers") else {
+        return;
+    };
+    let mut rng = Rng(23);
+    for vocab in [1usize, 31, 257, 151_936] {
+        let rows = 6;
+        let mut logits = rng.vec(rows * vocab, 20.0);
+        let at = |r: usize, i: usize| r * vocab + i.min(vocab - 1);
+        // Row 1: the maximum twice, late then early: the earlier index wins.
+        logits[at(1, vocab - 1)] = 100.0;
+        logits[at(1, vocab / 3)] = 100.0;
+        // Row 2: NaNs, one where the maximum would otherwise be.
+        logits[at(2, 0)] = f32::NAN;
+        logits[at(2, vocab / 2)] = f32::NAN;
+        // Row 3: nothing above -inf: index 0.
+        for i in 0..vocab {
+            logits[at(3, i)] = f32::NEG_INFINITY;
+        }
+        // Row 4: all NaN: index 0.
+        for i in 0..vocab {
+            logits[at(4, i)] = f32::NAN;
+        }
+        // Row 5: +inf wins.
+        logits[at(5, vocab / 5)] = f32::INFINITY;
+        let want: Vec<u32> = logits.chunks(vocab).map(first_argmax).collect();
+        let dlogits = upload(&gpu, &logits);
+        let mut dout = gpu.stream.alloc_zeros::<u32>(rows).expect("an allocation");
+        gpu.kernels
+            .argmax(
+                &gpu.stream,
+                &dlogits.as_view(),
+                vocab,
+                &mut dout.as_view_mut(),
+            )
+            .expect("argmax launches");
+        // Comparisons only, no arithmetic: exact.
+        assert_eq!(download(&gpu, &dout), want, "vocab {vocab}");
+    }
+}
+
 #[test]
 fn wrappers_refuse_mismatched_shapes_before_launching() {
     let Some(gpu) = gpu_or_skip("wrappers_refuse_mismatched_shapes_before_launching") else {

@@ -1,10 +1,10 @@
 //! The CUDA kernels: their `.cu` sources (one file per kernel in `kernels/`, embedded in the
 //! library) and their launch wrappers ([`CudaKernels`]).
 //!
-//! Every kernel has a CPU twin in `rust/model/kernels/cpu/` (or `rust/kv/blocks.rs` for the K/V
-//! write), takes f32 activations as the CPU path does, and reads weights and K/V in their stored
-//! dtype. `gpu_tests.rs` compares each with its twin on random inputs. Matrix products are not
-//! here: they will go through cuBLAS.
+//! Every kernel has a CPU twin in `rust/model/kernels/cpu/` (`rust/kv/blocks.rs` for the K/V
+//! write, `rust/engine/sampler.rs` for argmax), takes f32 activations as the CPU path does, and
+//! reads weights and K/V in their stored dtype. `gpu_tests.rs` compares each with its twin on
+//! random inputs. Matrix products are not here: they will go through cuBLAS.
 //!
 //! The wrappers check shapes on the host, because a kernel indexes its buffers unchecked; what
 //! only the device can see (a token id, a position, a block id inside a device buffer) the kernels
@@ -227,6 +227,7 @@ pub struct CudaKernels {
     kv_write_f16: CudaFunction,
     paged_attention_f32: CudaFunction,
     paged_attention_f16: CudaFunction,
+    argmax_f32: CudaFunction,
 }
 
 impl CudaKernels {
@@ -281,6 +282,7 @@ impl CudaKernels {
             kv_write_f16: take("kv_write_f16")?,
             paged_attention_f32: take("paged_attention_f32")?,
             paged_attention_f16: take("paged_attention_f16")?,
+            argmax_f32: take("argmax_f32")?,
             _modules: modules,
         })
     }
@@ -622,6 +624,36 @@ impl CudaKernels {
         // n_rows * n_heads * head_dim, the caches num_blocks whole blocks; the kernel checks
         // each row's table range, position and block ids against tables_len and num_blocks.
         unsafe { launch.launch(config) }.map_err(driver("paged_attention"))?;
+        Ok(())
+    }
+}
+
+impl CudaKernels {
+    /// `out[t]` = the index of row `t`'s largest logit, the first on ties, NaN never (CPU: the
+    /// greedy sampler's `argmax` in `rust/engine/sampler.rs`).
+    pub fn argmax(
+        &self,
+        stream: &CudaStream,
+        logits: &CudaView<f32>,
+        vocab: usize,
+        out: &mut CudaViewMut<u32>,
+    ) -> Result<(), CudaKernelError> {
+        shape(vocab > 0 && logits.len() == out.len() * vocab, || {
+            format!(
+                "argmax: logits {} are not {} rows of {vocab}",
+                logits.len(),
+                out.len()
+            )
+        })?;
+        let rows = to_u32("argmax rows", out.len())?;
+        let vocab = to_u32("argmax vocab", vocab)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut launch = stream.launch_builder(&self.argmax_f32);
+        launch.arg(logits).arg(out).arg(&rows).arg(&vocab);
+        // SAFETY: the arguments match argmax_f32's signature; logits hold rows * vocab, out rows.
+        unsafe { launch.launch(row_config(rows)) }.map_err(driver("argmax_f32"))?;
         Ok(())
     }
 }
