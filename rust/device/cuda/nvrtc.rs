@@ -233,18 +233,26 @@ fn library_file(path: &Path) -> Option<PathBuf> {
     let mut found: Vec<(u32, PathBuf)> = fs::read_dir(path)
         .ok()?
         .filter_map(|entry| {
-            let entry = entry.ok()?;
-            let name = entry.file_name();
-            let major: u32 = name.to_str()?.strip_prefix("libnvrtc.so.")?.parse().ok()?;
-            Some((major, entry.path()))
+            let file = entry.ok()?.path();
+            Some((library_major(&file)?, file))
         })
         .collect();
     found.sort();
     found.pop().map(|(_, file)| file)
 }
 
-/// `$VIRTUAL_ENV/lib/python3.*/site-packages/nvidia/*/lib/libnvrtc.so.<major>`: the wheel's
-/// folder is `cu13` for CUDA 13 (`cuda_nvrtc` in the CUDA 12 wheels).
+/// 13 for `.../libnvrtc.so.13`; `None` for any other name.
+fn library_major(file: &Path) -> Option<u32> {
+    file.file_name()?
+        .to_str()?
+        .strip_prefix("libnvrtc.so.")?
+        .parse()
+        .ok()
+}
+
+/// `$VIRTUAL_ENV/lib/python3.*/site-packages/nvidia/*/lib/libnvrtc.so.<major>`, the newest
+/// major when several wheels are installed: the wheel's folder is `cu13` for CUDA 13
+/// (`cuda_nvrtc` in the CUDA 12 wheels).
 fn virtualenv_library(venv: PathBuf) -> Option<PathBuf> {
     let mut candidates = Vec::new();
     for python in fs::read_dir(venv.join("lib")).ok()?.flatten() {
@@ -258,7 +266,7 @@ fn virtualenv_library(venv: PathBuf) -> Option<PathBuf> {
             }
         }
     }
-    candidates.sort();
+    candidates.sort_by_key(|file| library_major(file));
     candidates.pop()
 }
 
@@ -975,8 +983,14 @@ mod tests {
         let lib = venv
             .path()
             .join("lib/python3.11/site-packages/nvidia/cu13/lib");
+        let older = venv
+            .path()
+            .join("lib/python3.11/site-packages/nvidia/cuda_nvrtc/lib");
         fs::create_dir_all(&lib).expect("folders");
+        fs::create_dir_all(&older).expect("folders");
         fs::write(lib.join("libnvrtc.so.13"), b"").expect("a file");
+        // A CUDA 12 wheel beside it: its folder sorts last, but its major is older.
+        fs::write(older.join("libnvrtc.so.12"), b"").expect("a file");
         assert_eq!(
             virtualenv_library(venv.path().to_path_buf()),
             Some(lib.join("libnvrtc.so.13"))
