@@ -1,6 +1,8 @@
 //! Every CUDA kernel against its CPU twin, on random inputs. These need a GPU: without one they
 //! print why and return (`STRATA_REQUIRE_GPU=1` makes that a failure). The tolerance of each
-//! comparison is stated where it is made, with the reason.
+//! comparison is stated where it is made, with the reason. What can run without a GPU does:
+//! `attention_cases_are_sound_on_the_cpu` checks the attention harness (caches, tables, rows)
+//! against the f64 reference.
 
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
@@ -372,7 +374,17 @@ struct AttentionCase {
     sequences: Vec<(usize, usize)>,
 }
 
-fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
+/// A case's inputs, and the CPU kernel's output for them.
+struct AttentionInputs {
+    pool: BlockPool,
+    tables: Vec<u32>,
+    rows: Vec<AttnRow>,
+    q: Vec<f32>,
+    scale: f32,
+    want: Vec<f32>,
+}
+
+fn attention_inputs(case: &AttentionCase, dtype: KvDtype, seed: u64) -> AttentionInputs {
     let mut rng = Rng(seed);
     let AttentionCase {
         n_heads,
@@ -420,21 +432,47 @@ fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
     // Queries up to 3 in magnitude, so that softmax is far from uniform.
     let q = rng.vec(rows.len() * n_heads * head_dim, 3.0);
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let layer = pool.layer(0);
     let mut want = vec![0.0; q.len()];
     let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, 2);
     paged_attention(
         &q,
         &rows,
         &tables,
-        &layer,
+        &pool.layer(0),
         n_heads,
         scale,
         window,
         &mut want,
         &mut scratch,
     );
+    AttentionInputs {
+        pool,
+        tables,
+        rows,
+        q,
+        scale,
+        want,
+    }
+}
 
+fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
+    let AttentionCase {
+        n_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        window,
+        ..
+    } = *case;
+    let AttentionInputs {
+        pool,
+        tables,
+        rows,
+        q,
+        scale,
+        want,
+    } = attention_inputs(case, dtype, seed);
+    let layer = pool.layer(0);
     let geometry = KvGeometry {
         block_size,
         kv_heads,
@@ -489,12 +527,9 @@ fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
     assert_close(&what, &download(gpu, &dout), &want, 0.0, 5e-5);
 }
 
-#[test]
-fn paged_attention_matches_the_cpu() {
-    let Some(gpu) = gpu_or_skip("paged_attention_matches_the_cpu") else {
-        return;
-    };
-    let cases = [
+/// Decode rows and prefill chunks, GQA and MHA, with and without a sliding window.
+fn attention_cases() -> Vec<AttentionCase> {
+    vec![
         // SmolLM-like: 9 heads over 3 K/V heads of 64; decode rows of several lengths, one of
         // them long enough for every warp to take many tiles, and a prefill chunk.
         AttentionCase {
@@ -533,8 +568,44 @@ fn paged_attention_matches_the_cpu() {
             window: Some(100),
             sequences: vec![(250, 3), (10, 1)],
         },
-    ];
-    for (i, case) in cases.iter().enumerate() {
+    ]
+}
+
+/// The harness itself, on the CPU, runs here: the cases build valid caches, tables and rows, and
+/// the CPU kernel agrees with the f64 reference on them (as its own tests require, 2e-5).
+#[test]
+fn attention_cases_are_sound_on_the_cpu() {
+    for (i, case) in attention_cases().iter().enumerate() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let inputs = attention_inputs(case, dtype, 100 + i as u64);
+            let mut reference = vec![0.0; inputs.q.len()];
+            crate::model::kernels::cpu::attention::reference(
+                &inputs.q,
+                &inputs.rows,
+                &inputs.tables,
+                &inputs.pool.layer(0),
+                case.n_heads,
+                inputs.scale,
+                case.window,
+                &mut reference,
+            );
+            assert_close(
+                &format!("case {i} {dtype:?}: CPU kernel vs reference"),
+                &inputs.want,
+                &reference,
+                0.0,
+                2e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_the_cpu() {
+    let Some(gpu) = gpu_or_skip("paged_attention_matches_the_cpu") else {
+        return;
+    };
+    for (i, case) in attention_cases().iter().enumerate() {
         for dtype in [KvDtype::F32, KvDtype::F16] {
             check_attention(&gpu, case, dtype, 100 + i as u64);
         }
