@@ -1,7 +1,7 @@
 //! strata-rs: an LLM inference engine with a tiered conversation cache.
 //!
 //! Module map (no logic here):
-//! - `device`: CPU and CUDA devices, the CUDA probe.
+//! - `device`: CPU and CUDA devices, the CUDA probe, the CUDA kernels and their NVRTC build.
 //! - `model`: config, weights, tokenizer, the forward pass and its kernels.
 //! - `kv`: the paged K/V block pool.
 //! - `cache`: the conversation cache below the device: host tier, disk tier, moves.

@@ -99,6 +99,21 @@ impl RopeTable {
         self.max_positions
     }
 
+    /// `head_dim / 2`: the frequencies per position.
+    pub fn half(&self) -> usize {
+        self.half
+    }
+
+    /// The `[max_positions, half]` cosines (what a GPU copy of the table uploads).
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// The `[max_positions, half]` sines.
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     /// Bytes the cos and sin tables hold (for the device's memory accounting).
     pub fn bytes(&self) -> usize {
         (self.cos.capacity() + self.sin.capacity()) * std::mem::size_of::<f32>()

@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
 
-use super::CudaDeviceInfo;
+use crate::device::CudaDeviceInfo;
 
 /// The visible GPUs, or why there are none usable.
 pub fn probe() -> Result<Vec<CudaDeviceInfo>, String> {

@@ -1,0 +1,725 @@
+//! Every CUDA kernel against its CPU twin, on random inputs. These need a GPU: without one they
+//! print why and return (`STRATA_REQUIRE_GPU=1` makes that a failure). The tolerance of each
+//! comparison is stated where it is made, with the reason. What can run without a GPU does:
+//! `attention_cases_are_sound_on_the_cpu` checks the attention harness (caches, tables, rows)
+//! against the f64 reference.
+
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+
+use super::kernels::{attention_rows, DeviceRopeTable, KvGeometry, SLOT_SKIP};
+use super::test_support::{gpu_or_skip, Gpu};
+use crate::kv::blocks::{BlockPool, KvDtype};
+use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch, KvData};
+use crate::model::kernels::cpu::{embedding, rmsnorm, rope, swiglu, MatRef, WeightData};
+
+/// xorshift64, as the CPU kernels' tests use: a failure reproduces from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Uniform in [-1, 1).
+    fn next(&mut self) -> f32 {
+        ((self.next_u() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u() % n as u64) as usize
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, host: &[T]) -> CudaSlice<T> {
+    gpu.stream.clone_htod(host).expect("a host-to-device copy")
+}
+
+fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    gpu: &Gpu,
+    dev: &CudaSlice<T>,
+) -> Vec<T> {
+    let host = gpu.stream.clone_dtoh(dev).expect("a device-to-host copy");
+    gpu.stream.synchronize().expect("the stream finishes");
+    host
+}
+
+/// `|got - want| <= rel * |want| + abs` everywhere, NaN never.
+fn assert_close(what: &str, got: &[f32], want: &[f32], rel: f32, abs: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * w.abs() + abs,
+            "{what}: element {i}: GPU {g} vs CPU {w}"
+        );
+    }
+}
+
+fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{what}: element {i}: GPU {g} vs CPU {w}"
+        );
+    }
+}
+
+#[test]
+fn rmsnorm_matches_the_cpu() {
+    let Some(gpu) = gpu_or_skip("rmsnorm_matches_the_cpu") else {
+        return;
+    };
+    let mut rng = Rng(5);
+    for &(rows, d) in &[(1usize, 576usize), (3, 67), (5, 1), (300, 64), (7, 4096)] {
+        let x = rng.vec(rows * d, 4.0);
+        let w: Vec<f32> = (0..d).map(|_| rng.next() + 1.0).collect();
+        let mut want = vec![0.0; rows * d];
+        rmsnorm::rmsnorm(&x, &w, 1e-6, &mut want);
+        let (dx, dw) = (upload(&gpu, &x), upload(&gpu, &w));
+        let mut dout = gpu
+            .stream
+            .alloc_zeros::<f32>(rows * d)
+            .expect("an allocation");
+        gpu.kernels
+            .rmsnorm(
+                &gpu.stream,
+                &dx.as_view(),
+                &dw.as_view(),
+                1e-6,
+                &mut dout.as_view_mut(),
+            )
+            .expect("rmsnorm launches");
+        // f32 sums of squares in a different order (a tree vs 16 lanes): ~1e-6 relative in
+        // the scale typically, 1e-5 at worst for d = 4096; 3e-5 relative plus 1e-6 for outputs
+        // near zero. A wrong mean or a missed element is off by 1e-4 or more.
+        assert_close("rmsnorm", &download(&gpu, &dout), &want, 3e-5, 1e-6);
+        let mut dx = dx;
+        gpu.kernels
+            .rmsnorm_inplace(&gpu.stream, &mut dx.as_view_mut(), &dw.as_view(), 1e-6)
+            .expect("rmsnorm_inplace launches");
+        assert_close("rmsnorm_inplace", &download(&gpu, &dx), &want, 3e-5, 1e-6);
+    }
+}
+
+#[test]
+fn rope_matches_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("rope_matches_the_cpu_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(11);
+    let scaling = rope::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64.0,
+    };
+    for (head_dim, n_heads) in [(64usize, 9usize), (34, 3), (128, 2)] {
+        let table = rope::RopeTable::try_new(head_dim, 10000.0, &scaling, 300).expect("a table");
+        let dtable = DeviceRopeTable::upload(&gpu.stream, &table).expect("the table uploads");
+        let positions: Vec<u32> = vec![0, 1, 17, 63, 64, 65, 200, 299];
+        let x = rng.vec(positions.len() * n_heads * head_dim, 1.0);
+        let mut want = x.clone();
+        for (t, &pos) in positions.iter().enumerate() {
+            let row = &mut want[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
+            table.apply(row, n_heads, pos as usize);
+        }
+        let mut dx = upload(&gpu, &x);
+        let dpos = upload(&gpu, &positions);
+        gpu.kernels
+            .rope(
+                &gpu.stream,
+                &mut dx.as_view_mut(),
+                n_heads,
+                &dpos.as_view(),
+                &dtable,
+            )
+            .expect("rope launches");
+        // The same table, and the kernel rounds each product and sum as the CPU does (no FMA):
+        // tolerance 0.
+        assert_same_bits("rope", &download(&gpu, &dx), &want);
+    }
+}
+
+#[test]
+fn rope_past_the_table_is_nan() {
+    let Some(gpu) = gpu_or_skip("rope_past_the_table_is_nan") else {
+        return;
+    };
+    let table = rope::RopeTable::try_new(8, 10000.0, &rope::RopeScaling::None, 4).expect("a table");
+    let dtable = DeviceRopeTable::upload(&gpu.stream, &table).expect("the table uploads");
+    let mut dx = upload(&gpu, &[1.0f32; 16]);
+    let dpos = upload(&gpu, &[3u32, 4]);
+    gpu.kernels
+        .rope(
+            &gpu.stream,
+            &mut dx.as_view_mut(),
+            1,
+            &dpos.as_view(),
+            &dtable,
+        )
+        .expect("rope launches");
+    let got = download(&gpu, &dx);
+    assert!(got[..8].iter().all(|v| v.is_finite()));
+    assert!(got[8..].iter().all(|v| v.is_nan()));
+}
+
+#[test]
+fn silu_mul_matches_the_cpu() {
+    let Some(gpu) = gpu_or_skip("silu_mul_matches_the_cpu") else {
+        return;
+    };
+    let mut rng = Rng(9);
+    // Odd lengths, and one past ELEMENTWISE_MAX_BLOCKS * 256 so the grid-stride loop wraps.
+    for &len in &[1usize, 15, 17, 1000, 65_536 * 256 + 5] {
+        let gate = rng.vec(len, 30.0);
+        let up = rng.vec(len, 3.0);
+        let mut want = gate.clone();
+        swiglu::silu_mul(&mut want, &up);
+        let mut dgate = upload(&gpu, &gate);
+        let dup = upload(&gpu, &up);
+        gpu.kernels
+            .silu_mul(&gpu.stream, &mut dgate.as_view_mut(), &dup.as_view())
+            .expect("silu_mul launches");
+        // The CPU's polynomial exp is within 2e-7 relative and CUDA's expf within 2 ulp; one
+        // division and one product each: 1e-5 relative, and 1e-7 absolute for silu(g) ~ 0.
+        assert_close("silu_mul", &download(&gpu, &dgate), &want, 1e-5, 1e-7);
+    }
+}
+
+#[test]
+fn residual_add_is_exact() {
+    let Some(gpu) = gpu_or_skip("residual_add_is_exact") else {
+        return;
+    };
+    let mut rng = Rng(3);
+    for &len in &[1usize, 1000, 70_001] {
+        let (x, y) = (rng.vec(len, 10.0), rng.vec(len, 10.0));
+        let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        let mut dx = upload(&gpu, &x);
+        let dy = upload(&gpu, &y);
+        gpu.kernels
+            .add_inplace(&gpu.stream, &mut dx.as_view_mut(), &dy.as_view())
+            .expect("add launches");
+        // One IEEE addition per element on both: tolerance 0.
+        assert_same_bits("add_inplace", &download(&gpu, &dx), &want);
+    }
+}
+
+#[test]
+fn embedding_matches_the_cpu_exactly_for_every_dtype() {
+    let Some(gpu) = gpu_or_skip("embedding_matches_the_cpu_exactly_for_every_dtype") else {
+        return;
+    };
+    let mut rng = Rng(42);
+    for &(vocab, hidden) in &[(7usize, 33usize), (50, 64), (3, 1), (1000, 896)] {
+        let wf = rng.vec(vocab * hidden, 100.0);
+        let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
+        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let tokens: Vec<u32> = vec![0, vocab as u32 / 2, vocab as u32 - 1, vocab as u32 / 3];
+        for data in [
+            WeightData::F32(&wf),
+            WeightData::F16(&wh),
+            WeightData::Bf16(&wb),
+        ] {
+            let matrix = MatRef {
+                data,
+                rows: vocab,
+                cols: hidden,
+            };
+            let mut want = vec![0.0; tokens.len() * hidden];
+            for (t, &tok) in tokens.iter().enumerate() {
+                embedding::embed(matrix, tok, &mut want[t * hidden..(t + 1) * hidden]);
+            }
+            let dtokens = upload(&gpu, &tokens);
+            let mut dout = gpu
+                .stream
+                .alloc_zeros::<f32>(want.len())
+                .expect("an allocation");
+            let launched = match data {
+                WeightData::F32(w) => gpu.kernels.embedding(
+                    &gpu.stream,
+                    &upload(&gpu, w).as_view(),
+                    vocab,
+                    &dtokens.as_view(),
+                    &mut dout.as_view_mut(),
+                ),
+                WeightData::F16(w) => gpu.kernels.embedding(
+                    &gpu.stream,
+                    &upload(&gpu, w).as_view(),
+                    vocab,
+                    &dtokens.as_view(),
+                    &mut dout.as_view_mut(),
+                ),
+                WeightData::Bf16(w) => gpu.kernels.embedding(
+                    &gpu.stream,
+                    &upload(&gpu, w).as_view(),
+                    vocab,
+                    &dtokens.as_view(),
+                    &mut dout.as_view_mut(),
+                ),
+            };
+            launched.expect("embedding launches");
+            // (The temporary table is freed after the launch in stream order: cudarc's drop uses
+            // cuMemFreeAsync on the same stream, or synchronizes the stream before cuMemFree.)
+            // Widening f16 and bf16 to f32 is exact: tolerance 0.
+            assert_same_bits("embedding", &download(&gpu, &dout), &want);
+        }
+    }
+}
+
+/// K/V caches written by the GPU equal the block pool's, bit for bit, for f32 and f16.
+#[test]
+fn kv_write_matches_the_block_pool_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("kv_write_matches_the_block_pool_bit_for_bit") else {
+        return;
+    };
+    let mut rng = Rng(17);
+    let (num_blocks, block_size, kv_heads, head_dim) = (6usize, 16usize, 2usize, 64usize);
+    let width = kv_heads * head_dim;
+    let geometry = KvGeometry {
+        block_size,
+        kv_heads,
+        head_dim,
+    };
+    // Rows at scattered slots, one padded row that must not be written.
+    let slots: Vec<u32> = vec![0, 17, 5 * 16 + 15, 3 * 16 + 2, SLOT_SKIP, 2 * 16 + 9];
+    // Values beyond f16's range and below its precision too: the rounding must agree.
+    let mut k = rng.vec(slots.len() * width, 4.0);
+    let v = rng.vec(slots.len() * width, 4.0);
+    k[3] = 1e6;
+    k[4] = 1e-9;
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let mut pool =
+            BlockPool::new(1, num_blocks, block_size, kv_heads, head_dim, dtype).expect("a pool");
+        for (t, &slot) in slots.iter().enumerate() {
+            if slot != SLOT_SKIP {
+                let r = t * width..(t + 1) * width;
+                pool.write(0, slot as usize, &k[r.clone()], &v[r]);
+            }
+        }
+        let (dk, dv, dslots) = (upload(&gpu, &k), upload(&gpu, &v), upload(&gpu, &slots));
+        let layer = pool.layer(0);
+        match (layer.k, layer.v) {
+            (KvData::F32(want_k), KvData::F32(want_v)) => {
+                let mut kc = gpu
+                    .stream
+                    .alloc_zeros::<f32>(want_k.len())
+                    .expect("an allocation");
+                let mut vc = gpu
+                    .stream
+                    .alloc_zeros::<f32>(want_v.len())
+                    .expect("an allocation");
+                gpu.kernels
+                    .kv_write(
+                        &gpu.stream,
+                        &dk.as_view(),
+                        &dv.as_view(),
+                        &dslots.as_view(),
+                        geometry,
+                        &mut kc.as_view_mut(),
+                        &mut vc.as_view_mut(),
+                    )
+                    .expect("kv_write launches");
+                assert_same_bits("k cache f32", &download(&gpu, &kc), want_k);
+                assert_same_bits("v cache f32", &download(&gpu, &vc), want_v);
+            }
+            (KvData::F16(want_k), KvData::F16(want_v)) => {
+                let mut kc = gpu
+                    .stream
+                    .alloc_zeros::<f16>(want_k.len())
+                    .expect("an allocation");
+                let mut vc = gpu
+                    .stream
+                    .alloc_zeros::<f16>(want_v.len())
+                    .expect("an allocation");
+                gpu.kernels
+                    .kv_write(
+                        &gpu.stream,
+                        &dk.as_view(),
+                        &dv.as_view(),
+                        &dslots.as_view(),
+                        geometry,
+                        &mut kc.as_view_mut(),
+                        &mut vc.as_view_mut(),
+                    )
+                    .expect("kv_write launches");
+                // Both round to nearest even: the same bits (tolerance 0).
+                let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&download(&gpu, &kc)), bits(want_k), "k cache f16");
+                assert_eq!(bits(&download(&gpu, &vc)), bits(want_v), "v cache f16");
+            }
+            _ => panic!("the pool's K and V differ in dtype"),
+        }
+    }
+}
+
+/// One attention case: sequences given as (start position of the new rows, new rows), each with
+/// a shuffled block table, over a cache filled with random K/V.
+struct AttentionCase {
+    n_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    window: Option<usize>,
+    /// (first new position, new rows): a decode row is (pos, 1), a prefill chunk (start, n).
+    sequences: Vec<(usize, usize)>,
+}
+
+/// A case's inputs, and the CPU kernel's output for them.
+struct AttentionInputs {
+    pool: BlockPool,
+    tables: Vec<u32>,
+    rows: Vec<AttnRow>,
+    q: Vec<f32>,
+    scale: f32,
+    want: Vec<f32>,
+}
+
+fn attention_inputs(case: &AttentionCase, dtype: KvDtype, seed: u64) -> AttentionInputs {
+    let mut rng = Rng(seed);
+    let AttentionCase {
+        n_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        window,
+        ..
+    } = *case;
+    let width = kv_heads * head_dim;
+    let blocks_per_seq: Vec<usize> = case
+        .sequences
+        .iter()
+        .map(|&(start, n)| (start + n).div_ceil(block_size))
+        .collect();
+    // Two spare blocks that no table uses.
+    let num_blocks = blocks_per_seq.iter().sum::<usize>() + 2;
+    let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let mut pool =
+        BlockPool::new(1, num_blocks, block_size, kv_heads, head_dim, dtype).expect("a pool");
+    let mut tables = Vec::new();
+    let mut rows = Vec::new();
+    let mut next_id = 0;
+    for (&(start, n), &blocks) in case.sequences.iter().zip(&blocks_per_seq) {
+        let table = &ids[next_id..next_id + blocks];
+        next_id += blocks;
+        // The history and the new rows' own K/V, as the forward pass writes them first.
+        for pos in 0..start + n {
+            let slot = pool.slot(table, pos);
+            pool.write(0, slot, &rng.vec(width, 1.0), &rng.vec(width, 1.0));
+        }
+        let table_start = tables.len() as u32;
+        tables.extend_from_slice(table);
+        for pos in start..start + n {
+            rows.push(AttnRow {
+                pos: pos as u32,
+                table_start,
+                table_len: table.len() as u32,
+            });
+        }
+    }
+    // Queries up to 3 in magnitude, so that softmax is far from uniform.
+    let q = rng.vec(rows.len() * n_heads * head_dim, 3.0);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let mut want = vec![0.0; q.len()];
+    let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, 2);
+    paged_attention(
+        &q,
+        &rows,
+        &tables,
+        &pool.layer(0),
+        n_heads,
+        scale,
+        window,
+        &mut want,
+        &mut scratch,
+    );
+    AttentionInputs {
+        pool,
+        tables,
+        rows,
+        q,
+        scale,
+        want,
+    }
+}
+
+fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
+    let AttentionCase {
+        n_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        window,
+        ..
+    } = *case;
+    let AttentionInputs {
+        pool,
+        tables,
+        rows,
+        q,
+        scale,
+        want,
+    } = attention_inputs(case, dtype, seed);
+    let layer = pool.layer(0);
+    let geometry = KvGeometry {
+        block_size,
+        kv_heads,
+        head_dim,
+    };
+    let (dq, drows, dtables) = (
+        upload(gpu, &q),
+        upload(gpu, &attention_rows(&rows)),
+        upload(gpu, &tables),
+    );
+    let mut dout = gpu
+        .stream
+        .alloc_zeros::<f32>(q.len())
+        .expect("an allocation");
+    let launched = match (layer.k, layer.v) {
+        (KvData::F32(k), KvData::F32(v)) => gpu.kernels.paged_attention(
+            &gpu.stream,
+            &dq.as_view(),
+            &drows.as_view(),
+            &dtables.as_view(),
+            &upload(gpu, k).as_view(),
+            &upload(gpu, v).as_view(),
+            geometry,
+            n_heads,
+            scale,
+            window,
+            &mut dout.as_view_mut(),
+        ),
+        (KvData::F16(k), KvData::F16(v)) => gpu.kernels.paged_attention(
+            &gpu.stream,
+            &dq.as_view(),
+            &drows.as_view(),
+            &dtables.as_view(),
+            &upload(gpu, k).as_view(),
+            &upload(gpu, v).as_view(),
+            geometry,
+            n_heads,
+            scale,
+            window,
+            &mut dout.as_view_mut(),
+        ),
+        _ => panic!("the pool's K and V differ in dtype"),
+    };
+    launched.expect("attention launches");
+    // Both twins read the same stored values (f16 widened exactly) and compute in f32; only
+    // the order of the sums and the exp differ. Outputs are weighted means of V in [-1, 1]:
+    // 5e-5 absolute (~400 ulp of 1) is well above that rounding (a few 1e-6) and far below any
+    // indexing or masking error, which moves outputs by 1e-3 or more.
+    let what = format!(
+        "attention {dtype:?} heads {n_heads}/{kv_heads} x {head_dim}, block {block_size}, window {window:?}"
+    );
+    assert_close(&what, &download(gpu, &dout), &want, 0.0, 5e-5);
+}
+
+/// Decode rows and prefill chunks, GQA and MHA, with and without a sliding window.
+fn attention_cases() -> Vec<AttentionCase> {
+    vec![
+        // SmolLM-like: 9 heads over 3 K/V heads of 64; decode rows of several lengths, one of
+        // them long enough for every warp to take many tiles, and a prefill chunk.
+        AttentionCase {
+            n_heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            block_size: 16,
+            window: None,
+            sequences: vec![(0, 1), (5, 1), (31, 1), (32, 1), (1000, 1), (40, 24)],
+        },
+        // Qwen-like head_dim 128, group 7, a prefill from position 0 (the causal mask inside
+        // one chunk) and a returning conversation's chunk after a long history.
+        AttentionCase {
+            n_heads: 14,
+            kv_heads: 2,
+            head_dim: 128,
+            block_size: 16,
+            window: None,
+            sequences: vec![(0, 37), (700, 9)],
+        },
+        // A sliding window (Mistral), smaller than and larger than a tile, odd block size and
+        // head_dim, MHA (group 1).
+        AttentionCase {
+            n_heads: 4,
+            kv_heads: 4,
+            head_dim: 40,
+            block_size: 7,
+            window: Some(20),
+            sequences: vec![(0, 30), (90, 1), (300, 5)],
+        },
+        AttentionCase {
+            n_heads: 8,
+            kv_heads: 2,
+            head_dim: 256,
+            block_size: 32,
+            window: Some(100),
+            sequences: vec![(250, 3), (10, 1)],
+        },
+    ]
+}
+
+/// The harness itself, on the CPU, runs here: the cases build valid caches, tables and rows, and
+/// the CPU kernel agrees with the f64 reference on them (as its own tests require, 2e-5).
+#[test]
+fn attention_cases_are_sound_on_the_cpu() {
+    for (i, case) in attention_cases().iter().enumerate() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let inputs = attention_inputs(case, dtype, 100 + i as u64);
+            let mut reference = vec![0.0; inputs.q.len()];
+            crate::model::kernels::cpu::attention::reference(
+                &inputs.q,
+                &inputs.rows,
+                &inputs.tables,
+                &inputs.pool.layer(0),
+                case.n_heads,
+                inputs.scale,
+                case.window,
+                &mut reference,
+            );
+            assert_close(
+                &format!("case {i} {dtype:?}: CPU kernel vs reference"),
+                &inputs.want,
+                &reference,
+                0.0,
+                2e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn paged_attention_matches_the_cpu() {
+    let Some(gpu) = gpu_or_skip("paged_attention_matches_the_cpu") else {
+        return;
+    };
+    for (i, case) in attention_cases().iter().enumerate() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            check_attention(&gpu, case, dtype, 100 + i as u64);
+        }
+    }
+}
+
+#[test]
+fn paged_attention_with_a_bad_block_id_is_nan_not_a_fault() {
+    let Some(gpu) = gpu_or_skip("paged_attention_with_a_bad_block_id_is_nan_not_a_fault") else {
+        return;
+    };
+    let geometry = KvGeometry {
+        block_size: 4,
+        kv_heads: 1,
+        head_dim: 8,
+    };
+    let cache = vec![0.5f32; 2 * 4 * 8];
+    let (dk, dv) = (upload(&gpu, &cache), upload(&gpu, &cache));
+    // Row 0 reads blocks [1, 0]: fine. Row 1's table names block 7 of 2.
+    let tables = upload(&gpu, &[1u32, 0, 7]);
+    let rows = upload(&gpu, &[5u32, 0, 2, 0, 2, 1]);
+    let q = upload(&gpu, &[1.0f32; 16]);
+    let mut out = gpu.stream.alloc_zeros::<f32>(16).expect("an allocation");
+    gpu.kernels
+        .paged_attention(
+            &gpu.stream,
+            &q.as_view(),
+            &rows.as_view(),
+            &tables.as_view(),
+            &dk.as_view(),
+            &dv.as_view(),
+            geometry,
+            1,
+            1.0,
+            None,
+            &mut out.as_view_mut(),
+        )
+        .expect("attention launches");
+    let got = download(&gpu, &out);
+    assert!(got[..8].iter().all(|&v| (v - 0.5).abs() < 1e-6), "{got:?}");
+    assert!(got[8..].iter().all(|v| v.is_nan()), "{got:?}");
+}
+
+/// The greedy sampler's argmax semantics, written plainly: the first index of the largest
+/// non-NaN value; 0 when nothing is above -inf.
+fn first_argmax(row: &[f32]) -> u32 {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &x) in row.iter().enumerate() {
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    best.0 as u32
+}
+
+#[test]
+fn argmax_matches_the_greedy_samplers() {
+    let Some(gpu) = gpu_or_skip("argmax_matches_the_greedy_samplers") else {
+        return;
+    };
+    let mut rng = Rng(23);
+    for vocab in [1usize, 31, 257, 151_936] {
+        let rows = 6;
+        let mut logits = rng.vec(rows * vocab, 20.0);
+        let at = |r: usize, i: usize| r * vocab + i.min(vocab - 1);
+        // Row 1: the maximum twice, late then early: the earlier index wins.
+        logits[at(1, vocab - 1)] = 100.0;
+        logits[at(1, vocab / 3)] = 100.0;
+        // Row 2: NaNs, one where the maximum would otherwise be.
+        logits[at(2, 0)] = f32::NAN;
+        logits[at(2, vocab / 2)] = f32::NAN;
+        // Row 3: nothing above -inf: index 0.
+        for i in 0..vocab {
+            logits[at(3, i)] = f32::NEG_INFINITY;
+        }
+        // Row 4: all NaN: index 0.
+        for i in 0..vocab {
+            logits[at(4, i)] = f32::NAN;
+        }
+        // Row 5: +inf wins.
+        logits[at(5, vocab / 5)] = f32::INFINITY;
+        let want: Vec<u32> = logits.chunks(vocab).map(first_argmax).collect();
+        let dlogits = upload(&gpu, &logits);
+        let mut dout = gpu.stream.alloc_zeros::<u32>(rows).expect("an allocation");
+        gpu.kernels
+            .argmax(
+                &gpu.stream,
+                &dlogits.as_view(),
+                vocab,
+                &mut dout.as_view_mut(),
+            )
+            .expect("argmax launches");
+        // Comparisons only, no arithmetic: exact.
+        assert_eq!(download(&gpu, &dout), want, "vocab {vocab}");
+    }
+}
+
+#[test]
+fn wrappers_refuse_mismatched_shapes_before_launching() {
+    let Some(gpu) = gpu_or_skip("wrappers_refuse_mismatched_shapes_before_launching") else {
+        return;
+    };
+    let x = upload(&gpu, &[1.0f32; 10]);
+    let w = upload(&gpu, &[1.0f32; 3]);
+    let mut out = gpu.stream.alloc_zeros::<f32>(10).expect("an allocation");
+    let e = gpu
+        .kernels
+        .rmsnorm(
+            &gpu.stream,
+            &x.as_view(),
+            &w.as_view(),
+            1e-6,
+            &mut out.as_view_mut(),
+        )
+        .expect_err("10 is not rows of 3");
+    assert!(e.to_string().starts_with("rmsnorm: "), "{e}");
+}

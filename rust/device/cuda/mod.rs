@@ -1,0 +1,20 @@
+//! The CUDA backend (feature "cuda"), through cudarc with dynamic loading: it builds with no CUDA
+//! toolkit, and a machine without a driver or without NVRTC gets a clear error, never a panic.
+//!
+//! - `probe`: finds the driver and the GPUs.
+//! - `nvrtc`: compiles kernel sources for a GPU architecture at load, cached on disk.
+//! - `kernels`: the `.cu` sources (`kernels/*.cu`, one per kernel, each with a CPU twin in
+//!   `rust/model/kernels/cpu/`) and their launch wrappers.
+//!
+//! Nothing here is wired into the engine yet: the forward pass runs on the CPU.
+
+pub mod kernels;
+pub mod nvrtc;
+mod probe;
+
+pub use probe::probe;
+
+#[cfg(test)]
+mod gpu_tests;
+#[cfg(test)]
+mod test_support;
