@@ -1107,8 +1107,18 @@ unsafe fn lanes_step_avx512(
         let mut kb = [0i32; LANES];
         let mut mx = [f32::NEG_INFINITY; LANES];
         let mut sum = [0f32; LANES];
+        // Each lane's (row, head), counted up from the first: no division per lane.
+        let mut rh = [(0usize, 0usize); LANES];
+        let (mut i, mut h) = (base / group, base % group);
+        for x in rh.iter_mut().take(count) {
+            *x = (i, h);
+            h += 1;
+            if h == group {
+                (i, h) = (i + 1, 0);
+            }
+        }
         for l in 0..count {
-            let (i, h) = ((base + l) / group, (base + l) % group);
+            let (i, h) = rh[l];
             let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
             if a <= b {
                 (ka[l], kb[l]) = ((a - t0) as i32, (b - t0) as i32);
@@ -1189,22 +1199,17 @@ unsafe fn lanes_step_avx512(
         _mm512_storeu_ps(nm.as_mut_ptr(), new_max);
         _mm512_storeu_ps(ns.as_mut_ptr(), new_sum);
         _mm512_storeu_ps(cr.as_mut_ptr(), corr);
-        // Per lane: the state, the rescale; lanes with no key in this tile are left as they are.
+        // Per lane: the state; lanes with no key in this tile are left as they are. The rescale
+        // of the accumulators by `cr` is done as `pv_lanes_avx512` loads them.
         let mut acc_at = [std::ptr::null_mut::<f32>(); LANES];
         for l in 0..count {
             if ka[l] > kb[l] {
                 continue;
             }
-            let (i, h) = ((base + l) / group, (base + l) % group);
+            let (i, h) = rh[l];
             states[i].mx[h] = nm[l];
             states[i].sum[h] = ns[l];
-            let acc = &mut accs[i][h * hd..(h + 1) * hd];
-            if cr[l] != 1.0 {
-                for x in acc.iter_mut() {
-                    *x *= cr[l];
-                }
-            }
-            acc_at[l] = acc.as_mut_ptr();
+            acc_at[l] = accs[i][h * hd..(h + 1) * hd].as_mut_ptr();
         }
         // acc += p · V over each lane's keys in order: up to 4 lanes with the same keys at once.
         let mut l = 0;
@@ -1218,29 +1223,30 @@ unsafe fn lanes_step_avx512(
                 e += 1;
             }
             let keys = (ka[l] as usize, kb[l] as usize);
-            let at = &acc_at[l..e];
+            let (at, cr) = (&acc_at[l..e], &cr[l..e]);
             match e - l {
-                1 => pv_lanes_avx512::<1>(at, &p, l, keys, vt, hd),
-                2 => pv_lanes_avx512::<2>(at, &p, l, keys, vt, hd),
-                3 => pv_lanes_avx512::<3>(at, &p, l, keys, vt, hd),
-                _ => pv_lanes_avx512::<4>(at, &p, l, keys, vt, hd),
+                1 => pv_lanes_avx512::<1>(at, cr, &p, l, keys, vt, hd),
+                2 => pv_lanes_avx512::<2>(at, cr, &p, l, keys, vt, hd),
+                3 => pv_lanes_avx512::<3>(at, cr, &p, l, keys, vt, hd),
+                _ => pv_lanes_avx512::<4>(at, cr, &p, l, keys, vt, hd),
             }
             l = e;
         }
     }
 }
 
-/// `acc += p · V` for N consecutive lanes from `lane` that see the same keys `keys`, in key
-/// order, V_CHUNK outputs per lane at a time in registers ([`tile_step`]'s loop, with N lanes
-/// for its N heads).
+/// `acc = acc * corr` where `corr != 1`, then `acc += p · V`, for N consecutive lanes from
+/// `lane` that see the same keys `keys`, in key order, V_CHUNK outputs per lane at a time in
+/// registers ([`tile_step`]'s rescale and loop, with N lanes for its N heads).
 ///
 /// # Safety
 /// AVX-512F; `acc[n]` points at `hd` floats that no other pointer of `acc` overlaps.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::needless_range_loop)]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn pv_lanes_avx512<const N: usize>(
     acc: &[*mut f32],
+    corr: &[f32],
     p: &[[f32; LANES]; LANES],
     lane: usize,
     keys: (usize, usize),
@@ -1258,6 +1264,9 @@ unsafe fn pv_lanes_avx512<const N: usize>(
             for n in 0..N {
                 for x in 0..4 {
                     r[n][x] = _mm512_loadu_ps(acc[n].add(d0 + 16 * x));
+                    if corr[n] != 1.0 {
+                        r[n][x] = _mm512_mul_ps(r[n][x], _mm512_set1_ps(corr[n]));
+                    }
                 }
             }
             for k in a..=b {
@@ -1276,6 +1285,13 @@ unsafe fn pv_lanes_avx512<const N: usize>(
                 }
             }
         } else {
+            for n in 0..N {
+                if corr[n] != 1.0 {
+                    for x in 0..w {
+                        *acc[n].add(d0 + x) *= corr[n];
+                    }
+                }
+            }
             for k in a..=b {
                 let row = &vt[k * hd + d0..k * hd + d0 + w];
                 for n in 0..N {
