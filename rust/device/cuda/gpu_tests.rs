@@ -7,7 +7,7 @@
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 
-use super::kernels::{attention_rows, DeviceRopeTable, KvGeometry, SLOT_SKIP};
+use super::kernels::{attention_rows, DeviceRopeTable, KvElem, KvLayout, SLOT_SKIP};
 use super::test_support::{gpu_or_skip, Gpu};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch, KvData};
@@ -276,7 +276,58 @@ fn embedding_matches_the_cpu_exactly_for_every_dtype() {
     }
 }
 
-/// K/V caches written by the GPU equal the block pool's, bit for bit, for f32 and f16.
+/// The CPU pool's layer as one buffer (its K array, then its V array: `KvLayout::per_layer`).
+fn concat<T: Copy>(k: &[T], v: &[T]) -> Vec<T> {
+    [k, v].concat()
+}
+
+/// The same layer in a block-major buffer of `layers` layers, at `layer`: block by block, each
+/// layer's K then V (`KvLayout::block_major`); the other layers' parts hold `fill`.
+fn block_major<T: Copy>(
+    k: &[T],
+    v: &[T],
+    elems: usize,
+    layers: usize,
+    layer: usize,
+    fill: T,
+) -> Vec<T> {
+    let blocks = k.len() / elems;
+    let mut out = vec![fill; blocks * layers * 2 * elems];
+    for b in 0..blocks {
+        let at = (b * layers + layer) * 2 * elems;
+        out[at..at + elems].copy_from_slice(&k[b * elems..(b + 1) * elems]);
+        out[at + elems..at + 2 * elems].copy_from_slice(&v[b * elems..(b + 1) * elems]);
+    }
+    out
+}
+
+/// Writes `k`/`v` rows at `slots` through the GPU into a zeroed cache of `len` elements laid out
+/// as `layout`, and returns the cache.
+fn gpu_kv_write<T: KvElem + cudarc::driver::ValidAsZeroBits + Default + Clone>(
+    gpu: &Gpu,
+    k: &[f32],
+    v: &[f32],
+    slots: &[u32],
+    layout: KvLayout,
+    len: usize,
+) -> Vec<T> {
+    let (dk, dv, dslots) = (upload(gpu, k), upload(gpu, v), upload(gpu, slots));
+    let mut cache = gpu.stream.alloc_zeros::<T>(len).expect("an allocation");
+    gpu.kernels
+        .kv_write(
+            &gpu.stream,
+            &dk.as_view(),
+            &dv.as_view(),
+            &dslots.as_view(),
+            layout,
+            &mut cache.as_view_mut(),
+        )
+        .expect("kv_write launches");
+    download(gpu, &cache)
+}
+
+/// K/V caches written by the GPU equal the block pool's, bit for bit, for f32 and f16, in the
+/// CPU pool's layout and in the engine's block-major device layout.
 #[test]
 fn kv_write_matches_the_block_pool_bit_for_bit() {
     let Some(gpu) = gpu_or_skip("kv_write_matches_the_block_pool_bit_for_bit") else {
@@ -285,11 +336,10 @@ fn kv_write_matches_the_block_pool_bit_for_bit() {
     let mut rng = Rng(17);
     let (num_blocks, block_size, kv_heads, head_dim) = (6usize, 16usize, 2usize, 64usize);
     let width = kv_heads * head_dim;
-    let geometry = KvGeometry {
-        block_size,
-        kv_heads,
-        head_dim,
-    };
+    let elems = block_size * width;
+    let per_layer = KvLayout::per_layer(block_size, kv_heads, head_dim, num_blocks);
+    // Layer 1 of 3 in the device pool's layout.
+    let device = KvLayout::block_major(block_size, kv_heads, head_dim, num_blocks, 3, 1);
     // Rows at scattered slots, one padded row that must not be written.
     let slots: Vec<u32> = vec![0, 17, 5 * 16 + 15, 3 * 16 + 2, SLOT_SKIP, 2 * 16 + 9];
     // Values beyond f16's range and below its precision too: the rounding must agree.
@@ -306,56 +356,27 @@ fn kv_write_matches_the_block_pool_bit_for_bit() {
                 pool.write(0, slot as usize, &k[r.clone()], &v[r]);
             }
         }
-        let (dk, dv, dslots) = (upload(&gpu, &k), upload(&gpu, &v), upload(&gpu, &slots));
         let layer = pool.layer(0);
         match (layer.k, layer.v) {
             (KvData::F32(want_k), KvData::F32(want_v)) => {
-                let mut kc = gpu
-                    .stream
-                    .alloc_zeros::<f32>(want_k.len())
-                    .expect("an allocation");
-                let mut vc = gpu
-                    .stream
-                    .alloc_zeros::<f32>(want_v.len())
-                    .expect("an allocation");
-                gpu.kernels
-                    .kv_write(
-                        &gpu.stream,
-                        &dk.as_view(),
-                        &dv.as_view(),
-                        &dslots.as_view(),
-                        geometry,
-                        &mut kc.as_view_mut(),
-                        &mut vc.as_view_mut(),
-                    )
-                    .expect("kv_write launches");
-                assert_same_bits("k cache f32", &download(&gpu, &kc), want_k);
-                assert_same_bits("v cache f32", &download(&gpu, &vc), want_v);
+                let got: Vec<f32> =
+                    gpu_kv_write(&gpu, &k, &v, &slots, per_layer, 2 * num_blocks * elems);
+                assert_same_bits("cache f32", &got, &concat(want_k, want_v));
+                let got: Vec<f32> =
+                    gpu_kv_write(&gpu, &k, &v, &slots, device, 3 * 2 * num_blocks * elems);
+                let want = block_major(want_k, want_v, elems, 3, 1, 0.0);
+                assert_same_bits("block-major cache f32", &got, &want);
             }
             (KvData::F16(want_k), KvData::F16(want_v)) => {
-                let mut kc = gpu
-                    .stream
-                    .alloc_zeros::<f16>(want_k.len())
-                    .expect("an allocation");
-                let mut vc = gpu
-                    .stream
-                    .alloc_zeros::<f16>(want_v.len())
-                    .expect("an allocation");
-                gpu.kernels
-                    .kv_write(
-                        &gpu.stream,
-                        &dk.as_view(),
-                        &dv.as_view(),
-                        &dslots.as_view(),
-                        geometry,
-                        &mut kc.as_view_mut(),
-                        &mut vc.as_view_mut(),
-                    )
-                    .expect("kv_write launches");
                 // Both round to nearest even: the same bits (tolerance 0).
                 let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&download(&gpu, &kc)), bits(want_k), "k cache f16");
-                assert_eq!(bits(&download(&gpu, &vc)), bits(want_v), "v cache f16");
+                let got: Vec<f16> =
+                    gpu_kv_write(&gpu, &k, &v, &slots, per_layer, 2 * num_blocks * elems);
+                assert_eq!(bits(&got), bits(&concat(want_k, want_v)), "cache f16");
+                let got: Vec<f16> =
+                    gpu_kv_write(&gpu, &k, &v, &slots, device, 3 * 2 * num_blocks * elems);
+                let want = block_major(want_k, want_v, elems, 3, 1, f16::ZERO);
+                assert_eq!(bits(&got), bits(&want), "block-major cache f16");
             }
             _ => panic!("the pool's K and V differ in dtype"),
         }
@@ -455,6 +476,46 @@ fn attention_inputs(case: &AttentionCase, dtype: KvDtype, seed: u64) -> Attentio
     }
 }
 
+/// Runs the GPU's attention over `cache` (laid out as `layout`) and returns its output.
+#[allow(clippy::too_many_arguments)]
+fn gpu_attention<T: KvElem>(
+    gpu: &Gpu,
+    q: &[f32],
+    rows: &[AttnRow],
+    tables: &[u32],
+    cache: &[T],
+    layout: KvLayout,
+    n_heads: usize,
+    scale: f32,
+    window: Option<usize>,
+) -> Vec<f32> {
+    let (dq, drows, dtables, dcache) = (
+        upload(gpu, q),
+        upload(gpu, &attention_rows(rows)),
+        upload(gpu, tables),
+        upload(gpu, cache),
+    );
+    let mut dout = gpu
+        .stream
+        .alloc_zeros::<f32>(q.len())
+        .expect("an allocation");
+    gpu.kernels
+        .paged_attention(
+            &gpu.stream,
+            &dq.as_view(),
+            &drows.as_view(),
+            &dtables.as_view(),
+            &dcache.as_view(),
+            layout,
+            n_heads,
+            scale,
+            window,
+            &mut dout.as_view_mut(),
+        )
+        .expect("attention launches");
+    download(gpu, &dout)
+}
+
 fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
     let AttentionCase {
         n_heads,
@@ -473,50 +534,49 @@ fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
         want,
     } = attention_inputs(case, dtype, seed);
     let layer = pool.layer(0);
-    let geometry = KvGeometry {
-        block_size,
-        kv_heads,
-        head_dim,
-    };
-    let (dq, drows, dtables) = (
-        upload(gpu, &q),
-        upload(gpu, &attention_rows(&rows)),
-        upload(gpu, &tables),
-    );
-    let mut dout = gpu
-        .stream
-        .alloc_zeros::<f32>(q.len())
-        .expect("an allocation");
-    let launched = match (layer.k, layer.v) {
-        (KvData::F32(k), KvData::F32(v)) => gpu.kernels.paged_attention(
-            &gpu.stream,
-            &dq.as_view(),
-            &drows.as_view(),
-            &dtables.as_view(),
-            &upload(gpu, k).as_view(),
-            &upload(gpu, v).as_view(),
-            geometry,
+    let num_blocks = pool.num_blocks();
+    let per_layer = KvLayout::per_layer(block_size, kv_heads, head_dim, num_blocks);
+    // The same layer as the engine's device pool holds it: layer 1 of 3 of contiguous blocks,
+    // the other layers' parts filled with 1e4, which would show if they were read.
+    let device = KvLayout::block_major(block_size, kv_heads, head_dim, num_blocks, 3, 1);
+    let elems = per_layer.block_elems();
+    let run = |cache_layout| match (layer.k, layer.v, cache_layout) {
+        (KvData::F32(k), KvData::F32(v), false) => gpu_attention(
+            gpu,
+            &q,
+            &rows,
+            &tables,
+            &concat(k, v),
+            per_layer,
             n_heads,
             scale,
             window,
-            &mut dout.as_view_mut(),
         ),
-        (KvData::F16(k), KvData::F16(v)) => gpu.kernels.paged_attention(
-            &gpu.stream,
-            &dq.as_view(),
-            &drows.as_view(),
-            &dtables.as_view(),
-            &upload(gpu, k).as_view(),
-            &upload(gpu, v).as_view(),
-            geometry,
+        (KvData::F32(k), KvData::F32(v), true) => {
+            let cache = block_major(k, v, elems, 3, 1, 1e4f32);
+            gpu_attention(
+                gpu, &q, &rows, &tables, &cache, device, n_heads, scale, window,
+            )
+        }
+        (KvData::F16(k), KvData::F16(v), false) => gpu_attention(
+            gpu,
+            &q,
+            &rows,
+            &tables,
+            &concat(k, v),
+            per_layer,
             n_heads,
             scale,
             window,
-            &mut dout.as_view_mut(),
         ),
+        (KvData::F16(k), KvData::F16(v), true) => {
+            let cache = block_major(k, v, elems, 3, 1, f16::from_f32(1e4));
+            gpu_attention(
+                gpu, &q, &rows, &tables, &cache, device, n_heads, scale, window,
+            )
+        }
         _ => panic!("the pool's K and V differ in dtype"),
     };
-    launched.expect("attention launches");
     // Both twins read the same stored values (f16 widened exactly) and compute in f32; only
     // the order of the sums and the exp differ. Outputs are weighted means of V in [-1, 1]:
     // 5e-5 absolute (~400 ulp of 1) is well above that rounding (a few 1e-6) and far below any
@@ -524,7 +584,10 @@ fn check_attention(gpu: &Gpu, case: &AttentionCase, dtype: KvDtype, seed: u64) {
     let what = format!(
         "attention {dtype:?} heads {n_heads}/{kv_heads} x {head_dim}, block {block_size}, window {window:?}"
     );
-    assert_close(&what, &download(gpu, &dout), &want, 0.0, 5e-5);
+    let got = run(false);
+    assert_close(&what, &got, &want, 0.0, 5e-5);
+    // The same arithmetic over the same values, only addressed differently: the same bits.
+    assert_same_bits(&format!("{what}, block-major"), &run(true), &got);
 }
 
 /// Decode rows and prefill chunks, GQA and MHA, with and without a sliding window.
@@ -617,13 +680,8 @@ fn paged_attention_with_a_bad_block_id_is_nan_not_a_fault() {
     let Some(gpu) = gpu_or_skip("paged_attention_with_a_bad_block_id_is_nan_not_a_fault") else {
         return;
     };
-    let geometry = KvGeometry {
-        block_size: 4,
-        kv_heads: 1,
-        head_dim: 8,
-    };
-    let cache = vec![0.5f32; 2 * 4 * 8];
-    let (dk, dv) = (upload(&gpu, &cache), upload(&gpu, &cache));
+    let layout = KvLayout::per_layer(4, 1, 8, 2);
+    let cache = upload(&gpu, &vec![0.5f32; 2 * 2 * 4 * 8]);
     // Row 0 reads blocks [1, 0]: fine. Row 1's table names block 7 of 2.
     let tables = upload(&gpu, &[1u32, 0, 7]);
     let rows = upload(&gpu, &[5u32, 0, 2, 0, 2, 1]);
@@ -635,9 +693,8 @@ fn paged_attention_with_a_bad_block_id_is_nan_not_a_fault() {
             &q.as_view(),
             &rows.as_view(),
             &tables.as_view(),
-            &dk.as_view(),
-            &dv.as_view(),
-            geometry,
+            &cache.as_view(),
+            layout,
             1,
             1.0,
             None,

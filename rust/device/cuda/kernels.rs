@@ -71,6 +71,7 @@ pub const SOURCES: &[KernelSource] = &[
         "attention.cu",
         ["paged_attention_f32", "paged_attention_f16"]
     ),
+    kernel_source!("argmax.cu", ["argmax_f32"]),
 ];
 
 /// Threads per block of the row kernels (a multiple of 32: `block_sum` uses full-warp shuffles).
@@ -115,27 +116,97 @@ fn to_u32(what: &str, n: usize) -> Result<u32, CudaKernelError> {
     u32::try_from(n).map_err(|_| CudaKernelError::Shape(format!("{what} = {n} exceeds u32")))
 }
 
-/// The K/V cache geometry of one layer (layouts in `kernels/kv_write.cu`).
+/// Where one layer's K/V blocks lie in a cache buffer (layouts in `kernels/kv_write.cu`):
+/// `num_blocks` blocks, block `b`'s K at `k_offset + b * block_stride` elements and its V at
+/// `v_offset + b * block_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KvGeometry {
+pub struct KvLayout {
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub num_blocks: usize,
+    /// Elements from one block's K (or V) to the next block's.
+    pub block_stride: usize,
+    pub k_offset: usize,
+    pub v_offset: usize,
 }
 
-impl KvGeometry {
-    /// Elements of one block of K (or V).
-    fn block_elems(&self) -> usize {
+impl KvLayout {
+    /// The CPU pool's layout of one layer: its K array (`num_blocks` blocks), then its V array.
+    pub fn per_layer(
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        num_blocks: usize,
+    ) -> Self {
+        let elems = block_size * kv_heads * head_dim;
+        KvLayout {
+            block_size,
+            kv_heads,
+            head_dim,
+            num_blocks,
+            block_stride: elems,
+            k_offset: 0,
+            v_offset: num_blocks * elems,
+        }
+    }
+
+    /// Layer `layer` of the engine's device pool, whose blocks are contiguous: each block holds
+    /// `layers` layers, each its K then its V (the layout of a block's bytes in the host and
+    /// disk tiers, `BlockPool::read_block_part`).
+    pub fn block_major(
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        num_blocks: usize,
+        layers: usize,
+        layer: usize,
+    ) -> Self {
+        let elems = block_size * kv_heads * head_dim;
+        KvLayout {
+            block_size,
+            kv_heads,
+            head_dim,
+            num_blocks,
+            block_stride: layers * 2 * elems,
+            k_offset: layer * 2 * elems,
+            v_offset: layer * 2 * elems + elems,
+        }
+    }
+
+    /// Elements of one block's K (or V) in one layer.
+    pub fn block_elems(&self) -> usize {
         self.block_size * self.kv_heads * self.head_dim
     }
 
-    /// The blocks a K or V buffer of `len` elements holds.
-    fn num_blocks(&self, len: usize, what: &str) -> Result<usize, CudaKernelError> {
+    /// Checks that a cache buffer of `len` elements holds every block of this layout.
+    fn check_cache(&self, len: usize, what: &str) -> Result<(), CudaKernelError> {
         let per_block = self.block_elems();
-        shape(per_block > 0 && len.is_multiple_of(per_block), || {
-            format!("{what}: {len} elements is not whole blocks of {self:?}")
+        shape(per_block > 0 && self.block_stride >= per_block, || {
+            format!(
+                "{what}: block stride {} under a block of {per_block}",
+                self.block_stride
+            )
         })?;
-        Ok(len / per_block)
+        let need = match self.num_blocks {
+            0 => Some(0),
+            n => (n - 1)
+                .checked_mul(self.block_stride)
+                .and_then(|e| e.checked_add(self.k_offset.max(self.v_offset)))
+                .and_then(|e| e.checked_add(per_block)),
+        };
+        shape(need.is_some_and(|need| len >= need), || {
+            format!("{what}: a cache of {len} elements cannot hold {self:?}")
+        })
+    }
+
+    /// The kernels' u64 arguments: k_offset, v_offset, block_stride.
+    fn offsets(&self) -> [u64; 3] {
+        [
+            self.k_offset as u64,
+            self.v_offset as u64,
+            self.block_stride as u64,
+        ]
     }
 }
 
@@ -482,19 +553,18 @@ impl CudaKernels {
     }
 
     /// Writes row `t` of `k` and `v` (`[rows, kv_heads * head_dim]`) into cache slot `slots[t]`
-    /// (CPU: `BlockPool::write` per row); a slot of [`SLOT_SKIP`] is not written.
-    #[allow(clippy::too_many_arguments)]
+    /// of the layer `layout` places in `cache` (CPU: `BlockPool::write` per row); a slot of
+    /// [`SLOT_SKIP`] is not written.
     pub fn kv_write<T: KvElem>(
         &self,
         stream: &CudaStream,
         k: &CudaView<f32>,
         v: &CudaView<f32>,
         slots: &CudaView<u32>,
-        geometry: KvGeometry,
-        k_cache: &mut CudaViewMut<T>,
-        v_cache: &mut CudaViewMut<T>,
+        layout: KvLayout,
+        cache: &mut CudaViewMut<T>,
     ) -> Result<(), CudaKernelError> {
-        let width = geometry.kv_heads * geometry.head_dim;
+        let width = layout.kv_heads * layout.head_dim;
         let rows = slots.len();
         shape(k.len() == rows * width && v.len() == k.len(), || {
             format!(
@@ -503,17 +573,15 @@ impl CudaKernels {
                 v.len()
             )
         })?;
-        shape(k_cache.len() == v_cache.len(), || {
-            "kv_write: the K and V caches differ in size".to_string()
-        })?;
-        let num_blocks = geometry.num_blocks(k_cache.len(), "kv_write")?;
+        layout.check_cache(cache.len(), "kv_write")?;
         let rows = to_u32("kv_write rows", rows)?;
         let args = [
-            to_u32("kv_write kv_heads", geometry.kv_heads)?,
-            to_u32("kv_write head_dim", geometry.head_dim)?,
-            to_u32("kv_write block_size", geometry.block_size)?,
-            to_u32("kv_write num_blocks", num_blocks)?,
+            to_u32("kv_write kv_heads", layout.kv_heads)?,
+            to_u32("kv_write head_dim", layout.head_dim)?,
+            to_u32("kv_write block_size", layout.block_size)?,
+            to_u32("kv_write num_blocks", layout.num_blocks)?,
         ];
+        let offsets = layout.offsets();
         if rows == 0 || width == 0 {
             return Ok(());
         }
@@ -521,8 +589,10 @@ impl CudaKernels {
         launch
             .arg(k)
             .arg(v)
-            .arg(k_cache)
-            .arg(v_cache)
+            .arg(cache)
+            .arg(&offsets[0])
+            .arg(&offsets[1])
+            .arg(&offsets[2])
             .arg(slots)
             .arg(&rows)
             .arg(&args[0])
@@ -530,14 +600,15 @@ impl CudaKernels {
             .arg(&args[2])
             .arg(&args[3]);
         // SAFETY: the arguments match kv_write_<dtype>'s signature; k and v hold rows * width,
-        // the caches num_blocks whole blocks, and the kernel skips slots past them.
+        // the cache every block of the layout (check_cache), and the kernel skips slots past
+        // num_blocks.
         unsafe { launch.launch(row_config(rows)) }.map_err(driver("kv_write"))?;
         Ok(())
     }
 
-    /// Paged GQA attention for every row (CPU: `attention::paged_attention`). `rows` is
-    /// [`attention_rows`] of the CPU's `AttnRow`s; `q` and `out` are `[rows, n_heads * head_dim]`;
-    /// `window` is the sliding window, if any.
+    /// Paged GQA attention for every row over the layer `layout` places in `cache` (CPU:
+    /// `attention::paged_attention`). `rows` is [`attention_rows`] of the CPU's `AttnRow`s; `q`
+    /// and `out` are `[rows, n_heads * head_dim]`; `window` is the sliding window, if any.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention<T: KvElem>(
         &self,
@@ -545,17 +616,16 @@ impl CudaKernels {
         q: &CudaView<f32>,
         rows: &CudaView<u32>,
         tables: &CudaView<u32>,
-        k_cache: &CudaView<T>,
-        v_cache: &CudaView<T>,
-        geometry: KvGeometry,
+        cache: &CudaView<T>,
+        layout: KvLayout,
         n_heads: usize,
         scale: f32,
         window: Option<usize>,
         out: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaKernelError> {
-        let KvGeometry {
+        let KvLayout {
             kv_heads, head_dim, ..
-        } = geometry;
+        } = layout;
         shape(
             kv_heads > 0 && n_heads.is_multiple_of(kv_heads) && n_heads <= MAX_GRID_Y,
             || format!("attention: {n_heads} query heads over {kv_heads} K/V heads"),
@@ -577,10 +647,7 @@ impl CudaKernels {
                 )
             },
         )?;
-        shape(k_cache.len() == v_cache.len(), || {
-            "attention: the K and V caches differ in size".to_string()
-        })?;
-        let num_blocks = geometry.num_blocks(k_cache.len(), "attention")?;
+        layout.check_cache(cache.len(), "attention")?;
         let window = match window {
             None => 0,
             Some(0) => return Err(CudaKernelError::Shape("attention: window 0".into())),
@@ -592,9 +659,10 @@ impl CudaKernels {
             to_u32("attention n_heads", n_heads)?,
             to_u32("attention kv_heads", kv_heads)?,
             to_u32("attention head_dim", head_dim)?,
-            to_u32("attention block_size", geometry.block_size)?,
-            to_u32("attention num_blocks", num_blocks)?,
+            to_u32("attention block_size", layout.block_size)?,
+            to_u32("attention num_blocks", layout.num_blocks)?,
         ];
+        let offsets = layout.offsets();
         if n_rows == 0 {
             return Ok(());
         }
@@ -604,8 +672,10 @@ impl CudaKernels {
             .arg(rows)
             .arg(tables)
             .arg(&dims[0])
-            .arg(k_cache)
-            .arg(v_cache)
+            .arg(cache)
+            .arg(&offsets[0])
+            .arg(&offsets[1])
+            .arg(&offsets[2])
             .arg(out)
             .arg(&n_rows)
             .arg(&dims[1])
@@ -621,8 +691,9 @@ impl CudaKernels {
             shared_mem_bytes: 0,
         };
         // SAFETY: the arguments match paged_attention_<dtype>'s signature; q and out hold
-        // n_rows * n_heads * head_dim, the caches num_blocks whole blocks; the kernel checks
-        // each row's table range, position and block ids against tables_len and num_blocks.
+        // n_rows * n_heads * head_dim, the cache every block of the layout (check_cache); the
+        // kernel checks each row's table range, position and block ids against tables_len and
+        // num_blocks.
         unsafe { launch.launch(config) }.map_err(driver("paged_attention"))?;
         Ok(())
     }
@@ -744,6 +815,22 @@ mod tests {
             }
         }
         assert_eq!(cache.nvrtc_compiles(), SOURCES.len() * 4);
+    }
+
+    /// Every `.cu` file of `kernels/` is a source (a file left out of `SOURCES` is never
+    /// compiled, and its wrapper fails only on a GPU, at load).
+    #[test]
+    fn every_cu_file_is_a_source() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("rust/device/cuda/kernels");
+        let mut files: Vec<String> = std::fs::read_dir(&dir)
+            .expect("the kernels folder")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|name| name.ends_with(".cu"))
+            .collect();
+        files.sort();
+        let mut sources: Vec<String> = SOURCES.iter().map(|s| s.file.to_string()).collect();
+        sources.sort();
+        assert_eq!(files, sources);
     }
 
     #[test]

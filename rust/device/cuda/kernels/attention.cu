@@ -1,5 +1,6 @@
 // Grouped-query attention over the paged K/V cache, for decode rows and prefill rows alike (CPU
-// twin: paged_attention in rust/model/kernels/cpu/attention.rs; layouts as in kv_write.cu).
+// twin: paged_attention in rust/model/kernels/cpu/attention.rs; layouts, offsets and
+// block_stride as in kv_write.cu).
 //
 // out[t, h] = softmax over visible keys j of (q[t, h] . k[j, g]) * scale, applied to v[j, g],
 // with g = h / (n_heads / kv_heads). Visible: j <= pos (causal by absolute position) and, with a
@@ -26,9 +27,10 @@
 // stays visible.
 template <typename Load>
 __device__ __forceinline__ void attend(const float* q, const u32* rows, const u32* tables,
-                                       u32 tables_len, Load k_cache, Load v_cache, float* out,
-                                       u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim,
-                                       u32 block_size, u32 num_blocks, float scale, u32 window) {
+                                       u32 tables_len, Load cache, u64 k_offset, u64 v_offset,
+                                       u64 block_stride, float* out, u32 n_rows, u32 n_heads,
+                                       u32 kv_heads, u32 head_dim, u32 block_size, u32 num_blocks,
+                                       float scale, u32 window) {
     const u32 t = blockIdx.x, h = blockIdx.y;
     if (t >= n_rows || h >= n_heads) return;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -73,11 +75,12 @@ __device__ __forceinline__ void attend(const float* q, const u32* rows, const u3
                 visible = false;
             } else {
                 const u64 r = j % block_size;
-                const u64 k_base = ((u64)block * kv_heads + g) * head_dim * block_size + r;
-                v_base = (((u64)block * block_size + r) * kv_heads + g) * head_dim;
+                const u64 k_base =
+                    k_offset + (u64)block * block_stride + (u64)g * head_dim * block_size + r;
+                v_base = v_offset + (u64)block * block_stride + (r * kv_heads + g) * head_dim;
                 float dot = 0.0f;
                 for (u32 d = 0; d < head_dim; ++d)
-                    dot = fmaf(q_s[d], k_cache(k_base + (u64)d * block_size), dot);
+                    dot = fmaf(q_s[d], cache(k_base + (u64)d * block_size), dot);
                 score = dot * scale;
             }
         }
@@ -100,7 +103,7 @@ __device__ __forceinline__ void attend(const float* q, const u32* rows, const u3
 #pragma unroll
             for (int i = 0; i < ATTN_ACC_PER_LANE; ++i) {
                 const u32 d = lane + 32 * i;
-                if (d < head_dim) acc[i] = fmaf(weight, v_cache(v_row + d), acc[i]);
+                if (d < head_dim) acc[i] = fmaf(weight, cache(v_row + d), acc[i]);
             }
         }
         run_max = new_max;
@@ -135,18 +138,18 @@ __device__ __forceinline__ void attend(const float* q, const u32* rows, const u3
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
     paged_attention_f32(const float* q, const u32* rows, const u32* tables, u32 tables_len,
-                        const float* k_cache, const float* v_cache, float* out, u32 n_rows,
-                        u32 n_heads, u32 kv_heads, u32 head_dim, u32 block_size, u32 num_blocks,
-                        float scale, u32 window) {
-    attend(q, rows, tables, tables_len, LoadF32{k_cache}, LoadF32{v_cache}, out, n_rows, n_heads,
-           kv_heads, head_dim, block_size, num_blocks, scale, window);
+                        const float* cache, u64 k_offset, u64 v_offset, u64 block_stride,
+                        float* out, u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim,
+                        u32 block_size, u32 num_blocks, float scale, u32 window) {
+    attend(q, rows, tables, tables_len, LoadF32{cache}, k_offset, v_offset, block_stride, out,
+           n_rows, n_heads, kv_heads, head_dim, block_size, num_blocks, scale, window);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
     paged_attention_f16(const float* q, const u32* rows, const u32* tables, u32 tables_len,
-                        const unsigned short* k_cache, const unsigned short* v_cache, float* out,
-                        u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim, u32 block_size,
-                        u32 num_blocks, float scale, u32 window) {
-    attend(q, rows, tables, tables_len, LoadF16{k_cache}, LoadF16{v_cache}, out, n_rows, n_heads,
-           kv_heads, head_dim, block_size, num_blocks, scale, window);
+                        const unsigned short* cache, u64 k_offset, u64 v_offset, u64 block_stride,
+                        float* out, u32 n_rows, u32 n_heads, u32 kv_heads, u32 head_dim,
+                        u32 block_size, u32 num_blocks, float scale, u32 window) {
+    attend(q, rows, tables, tables_len, LoadF16{cache}, k_offset, v_offset, block_stride, out,
+           n_rows, n_heads, kv_heads, head_dim, block_size, num_blocks, scale, window);
 }
