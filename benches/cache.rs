@@ -58,10 +58,10 @@ fn moves(c: &mut Criterion) {
     let mut bytes = vec![0u8; block_bytes];
     group.throughput(Throughput::Bytes(block_bytes as u64));
     group.bench_function("read_block (device -> bytes)", |b| {
-        b.iter(|| pool.read_block(3, &mut bytes))
+        b.iter(|| pool.read_block(3, &mut bytes).expect("a host read"))
     });
     group.bench_function("write_block (bytes -> device)", |b| {
-        b.iter(|| pool.write_block(3, &bytes))
+        b.iter(|| pool.write_block(3, &bytes).expect("a host write"))
     });
 
     // A whole restore from the host tier: probe, then onload into fresh device blocks.

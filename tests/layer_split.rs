@@ -173,8 +173,14 @@ fn each_device_accounts_its_own_layers_weights_kv_and_workspace() {
             r.kv.storage_bytes() as u64
         );
         // A workspace of its own, with the RoPE table, on each.
-        assert_eq!(d0.in_use(Purpose::Workspace), r.ws[0].bytes() as u64 + rope);
-        assert_eq!(d1.in_use(Purpose::Workspace), r.ws[1].bytes() as u64 + rope);
+        assert_eq!(
+            d0.in_use(Purpose::Workspace),
+            r.workspaces()[0].bytes() as u64 + rope
+        );
+        assert_eq!(
+            d1.in_use(Purpose::Workspace),
+            r.workspaces()[1].bytes() as u64 + rope
+        );
         drop(r);
         assert_eq!((d0.total_in_use(), d1.total_in_use()), (0, 0));
     }

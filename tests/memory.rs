@@ -87,7 +87,11 @@ fn a_runner_accounts_its_weights_kv_and_workspace_and_releases_them() {
         let rope = (2 * MAX_POSITIONS * shape.head_dim / 2 * 4) as u64;
         assert_eq!(runner.model.rope.bytes() as u64, rope, "{case}");
         let workspace = memory.in_use(Purpose::Workspace);
-        assert_eq!(workspace, runner.ws[0].bytes() as u64 + rope, "{case}");
+        assert_eq!(
+            workspace,
+            runner.workspaces()[0].bytes() as u64 + rope,
+            "{case}"
+        );
         // At least the activations: x, picked (hidden), gate and up (intermediate) per token.
         let floor = 64 * (2 * shape.hidden + 2 * shape.intermediate) * 4;
         assert!(workspace > (floor as u64 + rope), "{case}: {workspace}");

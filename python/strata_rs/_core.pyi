@@ -361,6 +361,7 @@ class Engine:
         cache_faults: str | None = None,
         device_memory_mib: str | int | Sequence[int] | None = None,
         layer_split: str | int | Sequence[int] | None = None,
+        vram_reserve_mib: int = 1024,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
         DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
@@ -379,6 +380,10 @@ class Engine:
         a cache move: skipped and recomputed). Default: a CPU's pool is not bounded.
         layer_split: layers per device ("20,10"), each >= 1, summing to the model's layers.
         Default: in proportion to each device's capacity, evenly when none is configured.
+        vram_reserve_mib: on a GPU, memory left free beside what the engine accounts (the
+        driver's own allocations, other processes); a GPU's capacity is its free memory at load
+        less this, capped by device_memory_mib. Without kv_memory_mib the K/V pool takes what
+        is left after the weights, the step buffers and 256 MiB for captured decode graphs.
 
         The conversation cache's tiers below the device (keyword-only):
         host_cache_mib: host RAM tier budget; 0 turns the tier off.

@@ -189,6 +189,12 @@ def _parser() -> argparse.ArgumentParser:
         help="layers per device of --device, e.g. 20,10; must sum to the model's layers "
         "(default: in proportion to each device's free memory, evenly when unknown)",
     )
+    s.add_argument(
+        "--vram-reserve-mib",
+        type=int,
+        default=1024,
+        help="on a GPU, memory left free beside what the engine accounts (default 1024)",
+    )
     s.add_argument("--max-batch", type=int, default=8, help="sequences decoding at once")
     s.add_argument(
         "--max-context", type=int, default=None, help="longest sequence (default: the model's)"
@@ -524,6 +530,7 @@ def _serve(args: argparse.Namespace) -> int:
         "cache_faults": args.cache_faults,
         "device_memory_mib": args.device_memory_mib,
         "layer_split": args.layer_split,
+        "vram_reserve_mib": args.vram_reserve_mib,
     }
     return serve(
         args.model,

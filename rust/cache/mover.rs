@@ -451,7 +451,10 @@ impl ConversationCache {
         if self.fault(FaultKind::CopyOut) {
             return Err("copy failed (injected fault)".into());
         }
-        kv.read_block(e.block, &mut buf);
+        if let Err(why) = kv.read_block(e.block, &mut buf) {
+            self.spare = Some(buf);
+            return Err(format!("copy failed: {why}"));
+        }
         self.host.insert(e.hash, e.tokens.clone(), buf);
         Ok(())
     }
@@ -500,8 +503,11 @@ impl ConversationCache {
             self.count(Tier::Device, Tier::Disk, MoveResult::Refused, 1);
             return Some(Err(why));
         }
+        if let Err(why) = kv.read_block(e.block, &mut self.scratch) {
+            self.count(Tier::Device, Tier::Disk, MoveResult::Failed, 1);
+            return Some(Err(format!("copy failed: {why}")));
+        }
         let disk = self.disk.as_mut()?;
-        kv.read_block(e.block, &mut self.scratch);
         let result = disk.write(e.hash, &e.tokens, &self.scratch);
         Some(self.disk_result(Tier::Device, result))
     }
@@ -585,17 +591,22 @@ impl ConversationCache {
                     break;
                 }
                 if let Some(data) = self.host.get(h, t) {
-                    kv.write_block(block, data);
+                    if let Err(why) = kv.write_block(block, data) {
+                        self.count(Tier::Host, Tier::Device, MoveResult::Failed, 1);
+                        stopped = Some(format!("copy from host failed: {why}"));
+                        break;
+                    }
                 }
                 from_host += 1;
             } else if self.disk.as_ref().is_some_and(|d| d.contains(h, t)) {
-                match self.read_from_disk(h, t) {
-                    Ok(()) => kv.write_block(block, &self.scratch),
-                    Err(why) => {
-                        self.count(Tier::Disk, Tier::Device, MoveResult::Failed, 1);
-                        stopped = Some(why);
-                        break;
-                    }
+                let copied = self.read_from_disk(h, t).and_then(|()| {
+                    kv.write_block(block, &self.scratch)
+                        .map_err(|why| format!("copy to the device failed: {why}"))
+                });
+                if let Err(why) = copied {
+                    self.count(Tier::Disk, Tier::Device, MoveResult::Failed, 1);
+                    stopped = Some(why);
+                    break;
                 }
                 from_disk += 1;
             } else {

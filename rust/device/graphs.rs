@@ -6,9 +6,11 @@
 //! device buffers the graph reads, so `max_batch = 256` needs at most 9 graphs. A batch of 5 rows
 //! replays the graph for 8 with 3 padding rows.
 //!
-//! Everything here is independent of the device: the backend that captures and replays graphs
-//! implements [`GraphBackend`]. The CUDA backend is not built yet; the tests below drive the cache
-//! with a fake backend that simulates a device with a fixed amount of memory.
+//! Everything here is independent of the device: the backend that captures graphs implements
+//! [`GraphBackend`] and is handed to [`GraphCache::get_or_capture`] at each step (the CUDA one,
+//! `rust/device/cuda/runner.rs`, borrows the device's step buffers and K/V for the capture, so
+//! the cache holds only the graphs). The tests below drive the cache with a fake backend that
+//! simulates a device with a fixed amount of memory.
 //!
 //! A graph is an optimization, so nothing here fails a step (DESIGN.md, contract 1): when a graph
 //! cannot be had (no room by configuration, too large for the budget, out of device memory twice,
@@ -164,12 +166,13 @@ struct CachedGraph<G> {
     graph: G,
 }
 
-pub struct GraphCache<B: GraphBackend> {
-    backend: B,
+/// Cached graphs of type `G`; the backend that captures them is lent to each
+/// [`GraphCache::get_or_capture`] call.
+pub struct GraphCache<G> {
     limits: GraphCacheLimits,
     /// Least recently used first. A Vec, not a map: it holds O(log max_batch) graphs, so a linear
     /// search is as fast as a map and the order is plain to see.
-    entries: Vec<CachedGraph<B::Graph>>,
+    entries: Vec<CachedGraph<G>>,
     /// Sum of `entries[..].bytes`.
     bytes: u64,
     /// Padded sizes that will not get a graph (too large, or a capture failure that is not
@@ -179,10 +182,9 @@ pub struct GraphCache<B: GraphBackend> {
     stats: GraphCacheStats,
 }
 
-impl<B: GraphBackend> GraphCache<B> {
-    pub fn new(backend: B, limits: GraphCacheLimits) -> GraphCache<B> {
+impl<G> GraphCache<G> {
+    pub fn new(limits: GraphCacheLimits) -> GraphCache<G> {
         GraphCache {
-            backend,
             limits,
             entries: Vec::new(),
             bytes: 0,
@@ -193,10 +195,6 @@ impl<B: GraphBackend> GraphCache<B> {
 
     pub fn limits(&self) -> GraphCacheLimits {
         self.limits
-    }
-
-    pub fn backend(&self) -> &B {
-        &self.backend
     }
 
     /// The padded size whose graph runs `batch` rows (see [`padded_batch`]).
@@ -217,9 +215,13 @@ impl<B: GraphBackend> GraphCache<B> {
         }
     }
 
-    /// The graph for `padded(batch)`: cached (now the most recently used), or captured now, or
-    /// the reason the step runs without one. Never an error, never a panic.
-    pub fn get_or_capture(&mut self, batch: usize) -> StepGraph<'_, B::Graph> {
+    /// The graph for `padded(batch)`: cached (now the most recently used), or captured now by
+    /// `backend`, or the reason the step runs without one. Never an error, never a panic.
+    pub fn get_or_capture<B: GraphBackend<Graph = G>>(
+        &mut self,
+        batch: usize,
+        backend: &mut B,
+    ) -> StepGraph<'_, G> {
         let limits = self.limits;
         if limits.max_batch == 0 || limits.max_graphs == 0 || limits.max_bytes == 0 {
             return StepGraph::Uncaptured(UncapturedReason::Disabled);
@@ -238,7 +240,7 @@ impl<B: GraphBackend> GraphCache<B> {
         if let Some((_, reason)) = self.refused.iter().find(|(size, _)| *size == padded) {
             return StepGraph::Uncaptured(reason.clone());
         }
-        match self.capture(batch, padded) {
+        match self.capture(batch, padded, backend) {
             Ok(entry) => {
                 self.bytes += entry.bytes;
                 StepGraph::Replay(self.push_most_recent(entry))
@@ -249,11 +251,12 @@ impl<B: GraphBackend> GraphCache<B> {
 
     /// Captures the graph for `padded` and makes room for it; the caller inserts it. On failure,
     /// logs and counts it and returns the reason.
-    fn capture(
+    fn capture<B: GraphBackend<Graph = G>>(
         &mut self,
         batch: usize,
         padded: usize,
-    ) -> Result<CachedGraph<B::Graph>, UncapturedReason> {
+        backend: &mut B,
+    ) -> Result<CachedGraph<G>, UncapturedReason> {
         // Room by count first, so that the evicted graph's memory is free before capture needs
         // memory. If the capture then fails, that graph went for nothing: a rare cost, since a
         // too-large graph or a non-OOM failure is refused for good (once per size), and after an
@@ -262,16 +265,18 @@ impl<B: GraphBackend> GraphCache<B> {
             self.evict_lru();
         }
 
-        let graph = match self.backend.capture(padded) {
+        let graph = match backend.capture(padded) {
             Ok(graph) => graph,
-            Err(CaptureError::OutOfMemory(first)) => self.retry_after_oom(batch, padded, first)?,
+            Err(CaptureError::OutOfMemory(first)) => {
+                self.retry_after_oom(batch, padded, first, backend)?
+            }
             Err(CaptureError::Other(message)) => {
                 return Err(self.capture_failed(batch, padded, message))
             }
         };
         self.stats.captures += 1;
 
-        let bytes = self.backend.bytes(&graph);
+        let bytes = backend.bytes(&graph);
         let max_bytes = self.limits.max_bytes;
         if bytes > max_bytes {
             drop(graph);
@@ -302,12 +307,13 @@ impl<B: GraphBackend> GraphCache<B> {
     /// (rounded up, so a single graph is freed too) and captures once more. The graph being
     /// captured is not among them: a miss means it is not cached. With nothing to free, a retry
     /// would meet the same memory, so there is none.
-    fn retry_after_oom(
+    fn retry_after_oom<B: GraphBackend<Graph = G>>(
         &mut self,
         batch: usize,
         padded: usize,
         first: String,
-    ) -> Result<B::Graph, UncapturedReason> {
+        backend: &mut B,
+    ) -> Result<G, UncapturedReason> {
         let to_free = self.entries.len().div_ceil(2);
         if to_free == 0 {
             return Err(self.oom_fallback(batch, padded, first, "with no graphs cached to free"));
@@ -317,7 +323,7 @@ impl<B: GraphBackend> GraphCache<B> {
             freed_bytes += self.evict_lru();
         }
         self.stats.oom_retries += 1;
-        match self.backend.capture(padded) {
+        match backend.capture(padded) {
             Ok(graph) => Ok(graph),
             Err(CaptureError::OutOfMemory(again)) => {
                 let after = format!("after freeing {to_free} graph(s), {}", mib(freed_bytes));
@@ -371,7 +377,7 @@ impl<B: GraphBackend> GraphCache<B> {
 
     /// Puts `entry` last (most recently used) and returns its graph. Byte accounting is the
     /// caller's: a hit moves an entry, a capture adds one.
-    fn push_most_recent(&mut self, entry: CachedGraph<B::Graph>) -> &B::Graph {
+    fn push_most_recent(&mut self, entry: CachedGraph<G>) -> &G {
         self.entries.push(entry);
         let last = self.entries.len() - 1;
         &self.entries[last].graph
@@ -473,7 +479,7 @@ mod tests {
         limits: GraphCacheLimits,
         capacity: u64,
         bytes_of: fn(usize) -> u64,
-    ) -> (GraphCache<FakeBackend>, Rc<RefCell<FakeDevice>>) {
+    ) -> (Fixture, Rc<RefCell<FakeDevice>>) {
         let device = Rc::new(RefCell::new(FakeDevice {
             capacity,
             live_bytes: 0,
@@ -488,7 +494,32 @@ mod tests {
             device: Rc::clone(&device),
             bytes_of,
         };
-        (GraphCache::new(backend, limits), device)
+        (
+            Fixture {
+                cache: GraphCache::new(limits),
+                backend,
+            },
+            device,
+        )
+    }
+
+    /// The cache and the backend every step hands it, as the CUDA runner pairs them.
+    struct Fixture {
+        cache: GraphCache<FakeGraph>,
+        backend: FakeBackend,
+    }
+
+    impl Fixture {
+        fn get_or_capture(&mut self, batch: usize) -> StepGraph<'_, FakeGraph> {
+            self.cache.get_or_capture(batch, &mut self.backend)
+        }
+    }
+
+    impl std::ops::Deref for Fixture {
+        type Target = GraphCache<FakeGraph>;
+        fn deref(&self) -> &Self::Target {
+            &self.cache
+        }
     }
 
     fn limits(max_batch: usize, max_graphs: usize, max_bytes: u64) -> GraphCacheLimits {
@@ -500,7 +531,7 @@ mod tests {
     }
 
     /// The padded size of the graph `get_or_capture` returned, or the reason there is none.
-    fn step(cache: &mut GraphCache<FakeBackend>, batch: usize) -> Result<usize, UncapturedReason> {
+    fn step(cache: &mut Fixture, batch: usize) -> Result<usize, UncapturedReason> {
         match cache.get_or_capture(batch) {
             StepGraph::Replay(graph) => Ok(graph.padded),
             StepGraph::Uncaptured(reason) => Err(reason),
@@ -508,7 +539,7 @@ mod tests {
     }
 
     /// The cache's books agree with the fake device: no leak, no graph counted twice.
-    fn assert_consistent(cache: &GraphCache<FakeBackend>, device: &Rc<RefCell<FakeDevice>>) {
+    fn assert_consistent(cache: &Fixture, device: &Rc<RefCell<FakeDevice>>) {
         let stats = cache.stats();
         let device = device.borrow();
         assert_eq!(device.live_bytes, stats.bytes);
@@ -745,7 +776,7 @@ mod tests {
 
     /// A cache holding graphs for 1, 2, 4 and 8 (15000 bytes), with recency 2, 4, 8, 1 (a hit on
     /// 1), on a device of `capacity` bytes.
-    fn four_graphs(capacity: u64) -> (GraphCache<FakeBackend>, Rc<RefCell<FakeDevice>>) {
+    fn four_graphs(capacity: u64) -> (Fixture, Rc<RefCell<FakeDevice>>) {
         let (mut cache, device) = fake_cache(limits(64, 8, 1 << 20), capacity, thousand_per_row);
         for batch in [1, 2, 4, 8, 1] {
             step(&mut cache, batch).unwrap();

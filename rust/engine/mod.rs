@@ -25,6 +25,8 @@ use crate::model::config::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::Model;
 use core::EngineCore;
+#[cfg(feature = "cuda")]
+use gpu_sizing::open_gpus;
 use request::{CancelFlag, Event, Request, SamplingParams};
 use runner::{ModelRunner, Stage};
 use scheduler::Scheduler;
@@ -32,6 +34,8 @@ use stats::EngineStats;
 
 pub mod core;
 pub mod doorbell;
+#[cfg(feature = "cuda")]
+mod gpu_sizing;
 pub mod request;
 pub mod runner;
 pub mod sampler;
@@ -68,6 +72,9 @@ pub struct EngineOptions {
     /// Layers per device of `device` ("20,10"); `None`: in proportion to each device's free
     /// memory, evenly when it is not known.
     pub layer_split: Option<String>,
+    /// GPU memory left free on each device after load (MiB), beside what the pool accounts: the
+    /// driver's own allocations (graphs, streams), fragmentation, other processes' growth.
+    pub vram_reserve_mib: usize,
 }
 
 impl Default for EngineOptions {
@@ -83,6 +90,7 @@ impl Default for EngineOptions {
             cache: CacheOptions::default(),
             device_memory_mib: None,
             layer_split: None,
+            vram_reserve_mib: 1024,
         }
     }
 }
@@ -242,6 +250,18 @@ impl Engine {
                 .collect(),
             None => vec![None; devices.len()],
         };
+        // GPUs are opened first: their free memory is their pools' capacity (device_memory_mib,
+        // when given, caps it), which the default layer split and the K/V sizing read.
+        #[cfg(feature = "cuda")]
+        let gpus = match &opts.device {
+            Device::Cuda(ids) => Some(open_gpus(ids, &capacities, opts.vram_reserve_mib)?),
+            _ => None,
+        };
+        #[cfg(feature = "cuda")]
+        let capacities: Vec<Option<u64>> = match &gpus {
+            Some(gpus) => gpus.iter().map(|g| g.memory.capacity()).collect(),
+            None => capacities,
+        };
         let mut cache_opts = opts.cache.clone();
         if cache_opts.faults.is_empty() {
             // Fault injection reaches a server's engine through its environment.
@@ -314,6 +334,15 @@ impl Engine {
                     StrataError::invalid("kv_memory_mib", format!("{mib} MiB is too large"))
                 })? / block_bytes
             }
+            #[cfg(feature = "cuda")]
+            None if gpus.is_some() => gpu_sizing::kv_blocks(
+                &model,
+                gpus.as_deref().unwrap_or_default(),
+                &layer_split,
+                &part_bytes,
+                gpu_sizing::limits(&opts, max_context),
+                max_context,
+            )?,
             None => {
                 let wanted = max_context
                     .div_ceil(BLOCK_SIZE)
@@ -348,13 +377,24 @@ impl Engine {
             block_bytes: block_bytes as u64,
         };
         // Without device_memory_mib the CPU's capacity is not configured: the pool accounts, and
-        // the OS decides what fits.
-        let memory: Vec<MemoryPool> = devices
-            .iter()
-            .zip(&capacities)
-            .map(|(name, &capacity)| MemoryPool::new(name.clone(), capacity))
-            .collect();
+        // the OS decides what fits. A GPU's pool is its own (opened above).
+        let memory: Vec<MemoryPool> = match () {
+            #[cfg(feature = "cuda")]
+            () if gpus.is_some() => gpus.iter().flatten().map(|g| g.memory.clone()).collect(),
+            () => devices
+                .iter()
+                .zip(&capacities)
+                .map(|(name, &capacity)| MemoryPool::new(name.clone(), capacity))
+                .collect(),
+        };
         let gate = RamGate::system((cache_opts.host_min_free_mib as u64) << 20);
+        // A GPU's tier moves go through a pinned buffer of one block's part, when the RAM gate
+        // admits it (else through pageable memory).
+        #[cfg(feature = "cuda")]
+        let pinned_staging: Vec<bool> = part_bytes
+            .iter()
+            .map(|&b| gpus.is_some() && gate.admit(b as u64).is_ok())
+            .collect();
         let parts = memory
             .iter()
             .zip(&part_bytes)
@@ -373,15 +413,37 @@ impl Engine {
                 layers,
             })
             .collect();
-        let runner = ModelRunner::split(
-            &stages,
-            model,
-            kv_blocks,
-            BLOCK_SIZE,
-            max_batch_tokens,
-            threads,
-            kv_dtype,
-        )?;
+        let runner = match () {
+            #[cfg(feature = "cuda")]
+            () if gpus.is_some() => {
+                use crate::device::cuda::runner::{CudaOptions, CudaRunner, StepLimits};
+                let gpus = gpus.unwrap_or_default();
+                let limits = StepLimits {
+                    max_tokens: max_batch_tokens,
+                    max_seqs: max_batch,
+                    max_context,
+                    block_size: BLOCK_SIZE,
+                };
+                let cuda_opts = CudaOptions {
+                    limits,
+                    kv_blocks,
+                    kv_dtype,
+                    pinned_staging,
+                    graphs: gpu_sizing::graph_limits(max_batch, gpus.len()),
+                };
+                let (cuda, kv) = CudaRunner::new(&model, gpus, &layer_split, cuda_opts)?;
+                ModelRunner::cuda(model, cuda, kv, threads.min(2))?
+            }
+            () => ModelRunner::split(
+                &stages,
+                model,
+                kv_blocks,
+                BLOCK_SIZE,
+                max_batch_tokens,
+                threads,
+                kv_dtype,
+            )?,
+        };
         let info = EngineInfo {
             model_dir: dir.to_path_buf(),
             dtype,

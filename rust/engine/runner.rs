@@ -1,4 +1,5 @@
-//! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps.
+//! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps, on
+//! the CPU (`Model::forward` over host workspaces) or on GPUs (`CudaRunner`, feature "cuda").
 
 use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::{Result, StrataError};
@@ -9,11 +10,20 @@ use crate::model::Model;
 pub struct ModelRunner {
     pub model: Model,
     pub kv: BlockPool,
-    /// One workspace per device of the layer split, in layer order.
-    pub ws: Vec<Workspace>,
+    backend: Backend,
+    /// The CPU's compute threads; with a GPU backend they run the step's delivery jobs only.
     pool: rayon::ThreadPool,
-    /// The device memory the fields above hold, per device, released when the runner is dropped.
+    /// The device memory the CPU backend holds, per device, released when the runner is dropped
+    /// (a GPU backend holds its own).
     _memory: Vec<RunnerMemory>,
+}
+
+/// Where the forward pass runs.
+enum Backend {
+    /// One workspace per device of the layer split, in layer order.
+    Cpu(Vec<Workspace>),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::device::cuda::runner::CudaRunner>),
 }
 
 /// One device of a layer split: its memory pool and how many consecutive layers it holds.
@@ -141,18 +151,60 @@ impl ModelRunner {
                 _workspace: workspace,
             });
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("strata-compute-{i}"))
-            .build()
-            .map_err(|e| StrataError::Internal(format!("cannot start compute threads: {e}")))?;
+        let pool = compute_threads(threads)?;
         Ok(ModelRunner {
             model,
             kv,
-            ws,
+            backend: Backend::Cpu(ws),
             pool,
             _memory: memory,
         })
+    }
+
+    /// A runner on GPUs: `cuda` holds the model's tensors and step buffers, `kv` the block pool
+    /// whose parts live on those devices (both from `CudaRunner::new`). `threads` CPU threads run
+    /// what stays on the host (sending a step's deltas).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(
+        model: Model,
+        cuda: crate::device::cuda::runner::CudaRunner,
+        kv: BlockPool,
+        threads: usize,
+    ) -> Result<ModelRunner> {
+        Ok(ModelRunner {
+            model,
+            kv,
+            backend: Backend::Cuda(Box::new(cuda)),
+            pool: compute_threads(threads)?,
+            _memory: Vec::new(),
+        })
+    }
+
+    /// The CPU backend's workspaces, one per device of the split (none on GPUs).
+    pub fn workspaces(&self) -> &[Workspace] {
+        match &self.backend {
+            Backend::Cpu(ws) => ws,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => &[],
+        }
+    }
+
+    /// The GPU backend, when the runner has one.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_runner(&self) -> Option<&crate::device::cuda::runner::CudaRunner> {
+        match &self.backend {
+            Backend::Cpu(_) => None,
+            Backend::Cuda(c) => Some(c),
+        }
+    }
+
+    /// Rows of one step: the workspace's size.
+    pub fn max_tokens(&self) -> usize {
+        match &self.backend {
+            Backend::Cpu(ws) => ws.first().map_or(1, Workspace::max_tokens),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.max_tokens(),
+        }
     }
 
     /// Runs `f` on the runner's compute threads.
@@ -165,16 +217,20 @@ impl ModelRunner {
         self.pool.spawn(f)
     }
 
-    /// One forward step on the runner's compute threads.
+    /// One forward step: on the runner's compute threads, or on its GPUs.
     pub fn step(&mut self, batch: &[SeqChunk], out: &mut [f32]) -> Result<usize> {
         let ModelRunner {
             model,
             kv,
-            ws,
+            backend,
             pool,
             ..
         } = self;
-        pool.install(|| model.forward(batch, kv, ws, out))
+        match backend {
+            Backend::Cpu(ws) => pool.install(|| model.forward(batch, kv, ws, out)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.step(batch, kv, out),
+        }
     }
 
     /// Fills positions `start..start + ids.len()` of the sequence with block table `table`, in
@@ -189,7 +245,7 @@ impl ModelRunner {
         out: &mut [f32],
     ) -> Result<()> {
         let vocab = self.model.config.vocab_size;
-        let step = self.ws[0].max_tokens();
+        let step = self.max_tokens();
         let chunks = ids.len().div_ceil(step);
         for (i, chunk) in ids.chunks(step).enumerate() {
             let pos = start + i * step;
@@ -233,4 +289,12 @@ impl ModelRunner {
         self.kv.release(&table);
         result.map(|_| out)
     }
+}
+
+fn compute_threads(threads: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("strata-compute-{i}"))
+        .build()
+        .map_err(|e| StrataError::Internal(format!("cannot start compute threads: {e}")))
 }

@@ -58,6 +58,30 @@ enum LayerStore {
     F16 { k: Vec<f16>, v: Vec<f16> },
 }
 
+/// One device's part of every block, in memory the pool cannot address itself (a GPU's): the
+/// backend that owns it copies a block's part out and in, laid out as
+/// [`BlockPool::read_block_part`] lays it (for each of the device's layers, K then V), and may
+/// fail (a driver error): the caller skips that move. `as_any` lets the backend's forward pass
+/// reach its own type.
+pub trait DeviceKv: Send {
+    /// Copies block `block`'s part out into `out` (`part_bytes` long).
+    fn read_part(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String>;
+    /// Copies block `block`'s part in from `data` (`part_bytes` long).
+    fn write_part(&mut self, block: u32, data: &[u8]) -> std::result::Result<(), String>;
+    /// Bytes this part holds (every block's), as allocated.
+    fn bytes(&self) -> usize;
+    fn as_any(&self) -> &dyn std::any::Any;
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// Where the blocks' K and V live.
+enum KvStore {
+    /// Host memory the CPU forward pass reads: one K and one V array per layer.
+    Host(Vec<LayerStore>),
+    /// One part per device of the split, owned by the device's backend (a GPU's memory).
+    Device(Vec<Box<dyn DeviceKv>>),
+}
+
 /// Element types whose all-zero bit pattern is the value 0.
 trait ZeroBits: Copy {}
 impl ZeroBits for f32 {}
@@ -153,7 +177,7 @@ pub struct BlockPool {
     kv_heads: usize,
     head_dim: usize,
     kv_dtype: KvDtype,
-    layers: Vec<LayerStore>,
+    store: KvStore,
     /// Each device's layers, consecutive, in order; one range without a split.
     stages: Vec<std::ops::Range<usize>>,
     refcount: Vec<u32>,
@@ -240,18 +264,98 @@ impl BlockPool {
                 },
             });
         }
-        Ok(BlockPool {
+        Ok(Self::with_store(
+            KvStore::Host(layers),
+            stages,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            kv_dtype,
+        ))
+    }
+
+    /// A pool whose blocks live in device memory: `parts[d]` is device `d`'s, holding
+    /// `layer_counts[d]` consecutive layers of every block. The bookkeeping is the same as for
+    /// host blocks; the CPU forward pass cannot run on it.
+    pub fn on_devices(
+        layer_counts: &[usize],
+        parts: Vec<Box<dyn DeviceKv>>,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<BlockPool> {
+        if num_blocks == 0 || block_size == 0 {
+            return Err(StrataError::invalid(
+                "kv_memory_mib",
+                "the K/V budget holds no block; raise it",
+            ));
+        }
+        if parts.len() != layer_counts.len() {
+            return Err(StrataError::Internal(format!(
+                "{} device parts for a split of {} devices",
+                parts.len(),
+                layer_counts.len()
+            )));
+        }
+        let stages = crate::device::split::ranges(layer_counts);
+        Ok(Self::with_store(
+            KvStore::Device(parts),
+            stages,
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            kv_dtype,
+        ))
+    }
+
+    fn with_store(
+        store: KvStore,
+        stages: Vec<std::ops::Range<usize>>,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        kv_dtype: KvDtype,
+    ) -> BlockPool {
+        BlockPool {
             block_size,
             num_blocks,
             kv_heads,
             head_dim,
             kv_dtype,
-            layers,
+            store,
             stages,
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
             prefix: PrefixIndex::new(num_blocks),
-        })
+        }
+    }
+
+    /// Whether the blocks live in host memory (the CPU forward pass's pool).
+    pub fn is_host(&self) -> bool {
+        matches!(self.store, KvStore::Host(_))
+    }
+
+    /// Device `stage`'s part of a device-held pool; `None` for a host pool.
+    pub fn device_part(&self, stage: usize) -> Option<&dyn DeviceKv> {
+        match &self.store {
+            KvStore::Host(_) => None,
+            KvStore::Device(parts) => parts.get(stage).map(|p| p.as_ref()),
+        }
+    }
+
+    /// As [`BlockPool::device_part`], to write through (the backend's forward pass).
+    pub fn device_part_mut(&mut self, stage: usize) -> Option<&mut dyn DeviceKv> {
+        match &mut self.store {
+            KvStore::Host(_) => None,
+            KvStore::Device(parts) => parts
+                .get_mut(stage)
+                .map(|p| p.as_mut() as &mut dyn DeviceKv),
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -326,23 +430,30 @@ impl BlockPool {
 
     /// Bytes device `stage`'s K and V arrays hold: `num_blocks() * part_bytes(stage)`.
     pub fn stage_storage_bytes(&self, stage: usize) -> usize {
-        self.layers[self.stages[stage].clone()]
-            .iter()
-            .map(|l| match l {
-                LayerStore::F32 { k, v } => {
-                    std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
-                }
-                LayerStore::F16 { k, v } => {
-                    std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
-                }
-            })
-            .sum()
+        match &self.store {
+            KvStore::Host(layers) => layers[self.stages[stage].clone()]
+                .iter()
+                .map(|l| match l {
+                    LayerStore::F32 { k, v } => {
+                        std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
+                    }
+                    LayerStore::F16 { k, v } => {
+                        std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
+                    }
+                })
+                .sum(),
+            KvStore::Device(parts) => parts[stage].bytes(),
+        }
+    }
+
+    fn num_layers(&self) -> usize {
+        self.stages.last().map_or(0, |r| r.end)
     }
 
     /// Bytes of one block's K/V across all layers, as `read_block` lays them out.
     pub fn bytes_per_block(&self) -> usize {
         Self::block_bytes(
-            self.layers.len(),
+            self.num_layers(),
             self.block_size,
             self.kv_heads,
             self.head_dim,
@@ -374,22 +485,33 @@ impl BlockPool {
 
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
-    /// layer order, so the layout is the same whatever the split.
-    pub fn read_block(&self, block: u32, out: &mut [u8]) {
+    /// layer order, so the layout is the same whatever the split. Host blocks always copy; a
+    /// device's copy can fail (the caller skips that move).
+    pub fn read_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
         let mut at = 0;
         for stage in 0..self.stages.len() {
             let n = self.part_bytes(stage);
-            self.read_block_part(stage, block, &mut out[at..at + n]);
+            self.read_block_part(stage, block, &mut out[at..at + n])?;
             at += n;
         }
+        Ok(())
     }
 
     /// Copies device `stage`'s part of one block out (`part_bytes(stage)` long): for each of its
     /// layers, the K rows then the V rows.
-    pub fn read_block_part(&self, stage: usize, block: u32, out: &mut [u8]) {
+    pub fn read_block_part(
+        &self,
+        stage: usize,
+        block: u32,
+        out: &mut [u8],
+    ) -> std::result::Result<(), String> {
+        let layers = match &self.store {
+            KvStore::Host(layers) => layers,
+            KvStore::Device(parts) => return parts[stage].read_part(block, out),
+        };
         let r = self.block_range(block);
         let mut at = 0;
-        for layer in &self.layers[self.stages[stage].clone()] {
+        for layer in &layers[self.stages[stage].clone()] {
             let (k, v) = match layer {
                 LayerStore::F32 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
                 LayerStore::F16 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
@@ -399,24 +521,35 @@ impl BlockPool {
                 at += part.len();
             }
         }
+        Ok(())
     }
 
     /// Copies one block's K/V in, laid out as `read_block` writes it.
-    pub fn write_block(&mut self, block: u32, data: &[u8]) {
+    pub fn write_block(&mut self, block: u32, data: &[u8]) -> std::result::Result<(), String> {
         let mut at = 0;
         for stage in 0..self.stages.len() {
             let n = self.part_bytes(stage);
-            self.write_block_part(stage, block, &data[at..at + n]);
+            self.write_block_part(stage, block, &data[at..at + n])?;
             at += n;
         }
+        Ok(())
     }
 
     /// Copies device `stage`'s part of one block in, laid out as `read_block_part` writes it.
-    pub fn write_block_part(&mut self, stage: usize, block: u32, data: &[u8]) {
+    pub fn write_block_part(
+        &mut self,
+        stage: usize,
+        block: u32,
+        data: &[u8],
+    ) -> std::result::Result<(), String> {
         let r = self.block_range(block);
+        let range = self.stages[stage].clone();
+        let layers = match &mut self.store {
+            KvStore::Host(layers) => layers,
+            KvStore::Device(parts) => return parts[stage].write_part(block, data),
+        };
         let mut at = 0;
-        let layers = self.stages[stage].clone();
-        for layer in &mut self.layers[layers] {
+        for layer in &mut layers[range] {
             let (k, v) = match layer {
                 LayerStore::F32 { k, v } => (
                     as_bytes_mut(&mut k[r.clone()]),
@@ -434,6 +567,7 @@ impl BlockPool {
             }
         }
         store_fence();
+        Ok(())
     }
 
     /// Adds a reference to a block: a shared prefix, or a cache hit on a block nobody held.
@@ -486,15 +620,28 @@ impl BlockPool {
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 
+    /// The host arrays of a host pool. Only the CPU forward pass and its tests write and read
+    /// them, and the forward pass refuses a device-held pool first (`Model::forward`), so a
+    /// device-held pool here is a bug.
+    fn host_layers(&self) -> &[LayerStore] {
+        match &self.store {
+            KvStore::Host(layers) => layers,
+            KvStore::Device(_) => panic!("the CPU forward pass was given a device-held K/V pool"),
+        }
+    }
+
     /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`; an f16
-    /// cache rounds them to nearest. K goes to its transposed place in the block.
+    /// cache rounds them to nearest. K goes to its transposed place in the block. Host pools only.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let (bs, kvh, hd) = (self.block_size, self.kv_heads, self.head_dim);
         let d = kvh * hd;
         let r = slot * d..(slot + 1) * d;
         // Element e = g * hd + i of the row lands at k_index(slot, g, i) = k0 + e * bs.
         let k0 = k_index(slot, 0, 0, bs, kvh, hd);
-        match &mut self.layers[layer] {
+        let KvStore::Host(layers) = &mut self.store else {
+            panic!("the CPU forward pass was given a device-held K/V pool");
+        };
+        match &mut layers[layer] {
             LayerStore::F32 { k: sk, v: sv } => {
                 for (e, &x) in k[..d].iter().enumerate() {
                     sk[k0 + e * bs] = x;
@@ -510,8 +657,9 @@ impl BlockPool {
         }
     }
 
+    /// One layer's K and V arrays. Host pools only.
     pub fn layer(&self, layer: usize) -> KvLayer<'_> {
-        let (k, v) = match &self.layers[layer] {
+        let (k, v) = match &self.host_layers()[layer] {
             LayerStore::F32 { k, v } => (KvData::F32(k), KvData::F32(v)),
             LayerStore::F16 { k, v } => (KvData::F16(k), KvData::F16(v)),
         };
@@ -603,8 +751,8 @@ mod tests {
                 }
             }
             let mut bytes = vec![0u8; n];
-            pool.read_block(1, &mut bytes);
-            pool.write_block(2, &bytes);
+            pool.read_block(1, &mut bytes).expect("a host read");
+            pool.write_block(2, &bytes).expect("a host write");
             for layer in 0..2 {
                 let l = pool.layer(layer);
                 // Block 2 (slots 4, 5) holds what block 1 (slots 2, 3) held.
@@ -622,7 +770,7 @@ mod tests {
                 assert_eq!(l.v.get(11), -((layer * 10 + 1) as f32) - 0.5);
             }
             let mut again = vec![0u8; n];
-            pool.read_block(2, &mut again);
+            pool.read_block(2, &mut again).expect("a host read");
             assert_eq!(bytes, again);
         }
     }
@@ -653,14 +801,14 @@ mod tests {
             }
             let n = whole.bytes_per_block();
             let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
-            whole.read_block(1, &mut a);
-            split.read_block(1, &mut b);
+            whole.read_block(1, &mut a).expect("a host read");
+            split.read_block(1, &mut b).expect("a host read");
             assert_eq!(a, b, "the same bytes whatever the split");
             // Each device's part is its slice of the block, and writes back into its layers only.
             let mut part = vec![0u8; split.part_bytes(1)];
-            split.read_block_part(1, 1, &mut part);
+            split.read_block_part(1, 1, &mut part).expect("a host read");
             assert_eq!(part, a[split.part_offset(1)..]);
-            split.write_block_part(1, 2, &part);
+            split.write_block_part(1, 2, &part).expect("a host write");
             let l = split.layer(2);
             assert_eq!(
                 l.k.get(l.k_index(4, 0, 0)),
@@ -669,9 +817,9 @@ mod tests {
             );
             let l = split.layer(0);
             assert_eq!(l.k.get(l.k_index(4, 0, 0)), 4.0, "layer 0 untouched");
-            split.write_block(0, &a);
+            split.write_block(0, &a).expect("a host write");
             let mut c = vec![0u8; n];
-            split.read_block(0, &mut c);
+            split.read_block(0, &mut c).expect("a host read");
             assert_eq!(c, a);
         }
     }

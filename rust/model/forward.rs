@@ -141,6 +141,11 @@ impl Model {
         ws: &mut [Workspace],
         out: &mut [f32],
     ) -> Result<usize> {
+        if !kv.is_host() {
+            return Err(StrataError::Internal(
+                "the CPU forward pass was given a device-held K/V pool".into(),
+            ));
+        }
         if ws.len() != kv.num_stages() || ws.is_empty() {
             return Err(StrataError::Internal(format!(
                 "{} workspaces for {} devices",

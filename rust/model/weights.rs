@@ -72,7 +72,8 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    fn bytes(&self) -> &[u8] {
+    /// The stored bytes, in the file's dtype (a GPU backend uploads them as they are).
+    pub fn bytes(&self) -> &[u8] {
         if let Some(words) = &self.realigned {
             // SAFETY: a Vec<u32> is 4-aligned and holds at least `len` initialized bytes.
             return unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, self.len) };

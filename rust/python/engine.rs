@@ -285,7 +285,7 @@ impl PyEngine {
     /// InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -304,6 +304,7 @@ impl PyEngine {
         cache_faults: Option<String>,
         device_memory_mib: Option<&Bound<'py, PyAny>>,
         layer_split: Option<&Bound<'py, PyAny>>,
+        vram_reserve_mib: i64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
@@ -329,6 +330,7 @@ impl PyEngine {
             layer_split: layer_split
                 .map(|v| args::per_device_list("layer_split", v))
                 .transpose()?,
+            vram_reserve_mib: usize_arg(Some(vram_reserve_mib), "vram_reserve_mib")?.unwrap_or(0),
         };
         let load = async move {
             tokio::task::spawn_blocking(move || Engine::load(&path, opts))

@@ -780,3 +780,119 @@ fn wrappers_refuse_mismatched_shapes_before_launching() {
         .expect_err("10 is not rows of 3");
     assert!(e.to_string().starts_with("rmsnorm: "), "{e}");
 }
+
+/// f32 to bf16 and f16 on the GPU round as the `half` crate does, bit for bit, the edges
+/// included (ties, subnormals, overflow, infinities, NaN).
+#[test]
+fn cast_rounds_as_the_half_crate() {
+    let Some(gpu) = gpu_or_skip("cast_rounds_as_the_half_crate") else {
+        return;
+    };
+    let mut rng = Rng(29);
+    let mut x = rng.vec(4096, 100.0);
+    x.extend_from_slice(&[
+        0.0,
+        -0.0,
+        1.0 + f32::EPSILON * 64.0,
+        // bf16 ties: half an ulp above 1 (rounds down to even) and above 1 + 2^-7 (rounds up).
+        f32::from_bits(0x3f80_8000),
+        f32::from_bits(0x3f81_8000),
+        1e-40,
+        -1e-42,
+        6.0e-8,
+        65_504.0,
+        65_520.0, // rounds to f16 infinity
+        3.0e38,
+        f32::MAX,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+    ]);
+    let dx = upload(&gpu, &x);
+    let mut b = gpu
+        .stream
+        .alloc_zeros::<bf16>(x.len())
+        .expect("an allocation");
+    gpu.kernels
+        .cast(&gpu.stream, &dx.as_view(), &mut b.as_view_mut())
+        .expect("cast to bf16 launches");
+    let got: Vec<u16> = download(&gpu, &b).iter().map(|v| v.to_bits()).collect();
+    let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    assert_eq!(got, want, "bf16");
+    let mut h = gpu
+        .stream
+        .alloc_zeros::<f16>(x.len())
+        .expect("an allocation");
+    gpu.kernels
+        .cast(&gpu.stream, &dx.as_view(), &mut h.as_view_mut())
+        .expect("cast to f16 launches");
+    let got: Vec<u16> = download(&gpu, &h).iter().map(|v| v.to_bits()).collect();
+    let want: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    assert_eq!(got, want, "f16");
+    // NaN stays NaN (its payload may differ between the two).
+    let dnan = upload(&gpu, &[f32::NAN]);
+    let mut b = gpu.stream.alloc_zeros::<bf16>(1).expect("an allocation");
+    gpu.kernels
+        .cast(&gpu.stream, &dnan.as_view(), &mut b.as_view_mut())
+        .expect("cast launches");
+    assert!(download(&gpu, &b)[0].is_nan());
+}
+
+/// The bias add and the gathered final norm, against the CPU's arithmetic: exact for the add;
+/// the norm as `rmsnorm_matches_the_cpu` states, and a bad index gives NaN.
+#[test]
+fn add_bias_and_rmsnorm_rows_match_the_cpu() {
+    let Some(gpu) = gpu_or_skip("add_bias_and_rmsnorm_rows_match_the_cpu") else {
+        return;
+    };
+    let mut rng = Rng(31);
+    let (rows, cols) = (7usize, 300usize);
+    let y = rng.vec(rows * cols, 3.0);
+    let bias = rng.vec(cols, 1.0);
+    let want: Vec<f32> = y
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| v + bias[i % cols])
+        .collect();
+    let mut dy = upload(&gpu, &y);
+    gpu.kernels
+        .add_bias(
+            &gpu.stream,
+            &mut dy.as_view_mut(),
+            &upload(&gpu, &bias).as_view(),
+        )
+        .expect("add_bias launches");
+    assert_same_bits("add_bias", &download(&gpu, &dy), &want);
+
+    let w: Vec<f32> = (0..cols).map(|_| rng.next() + 1.0).collect();
+    let index = [6u32, 0, 3, 3, 99];
+    let mut want = vec![0.0; (index.len() - 1) * cols];
+    for (r, &i) in index[..index.len() - 1].iter().enumerate() {
+        let i = i as usize;
+        rmsnorm::rmsnorm(
+            &y[i * cols..(i + 1) * cols],
+            &w,
+            1e-5,
+            &mut want[r * cols..(r + 1) * cols],
+        );
+    }
+    let mut out = gpu
+        .stream
+        .alloc_zeros::<f32>(index.len() * cols)
+        .expect("an allocation");
+    gpu.kernels
+        .rmsnorm_rows(
+            &gpu.stream,
+            &upload(&gpu, &y).as_view(),
+            &upload(&gpu, &w).as_view(),
+            &upload(&gpu, &index).as_view(),
+            1e-5,
+            &mut out.as_view_mut(),
+        )
+        .expect("rmsnorm_rows launches");
+    let got = download(&gpu, &out);
+    assert_close("rmsnorm_rows", &got[..want.len()], &want, 3e-5, 1e-6);
+    assert!(
+        got[want.len()..].iter().all(|v| v.is_nan()),
+        "index 99 of 7 rows"
+    );
+}

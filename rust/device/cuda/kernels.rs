@@ -58,7 +58,10 @@ macro_rules! kernel_source {
 
 /// Every kernel source.
 pub const SOURCES: &[KernelSource] = &[
-    kernel_source!("rmsnorm.cu", ["rmsnorm_f32", "rmsnorm_inplace_f32"]),
+    kernel_source!(
+        "rmsnorm.cu",
+        ["rmsnorm_f32", "rmsnorm_inplace_f32", "rmsnorm_rows_f32"]
+    ),
     kernel_source!("rope.cu", ["rope_f32"]),
     kernel_source!("swiglu.cu", ["silu_mul_f32"]),
     kernel_source!(
@@ -72,6 +75,8 @@ pub const SOURCES: &[KernelSource] = &[
         ["paged_attention_f32", "paged_attention_f16"]
     ),
     kernel_source!("argmax.cu", ["argmax_f32"]),
+    kernel_source!("cast.cu", ["cast_f32_to_bf16", "cast_f32_to_f16"]),
+    kernel_source!("bias.cu", ["add_bias_f32"]),
 ];
 
 /// Threads per block of the row kernels (a multiple of 32: `block_sum` uses full-warp shuffles).
@@ -252,6 +257,21 @@ impl KvElem for f16 {
     }
 }
 
+/// A half-precision type activations are cast to for a matrix product with weights of that type.
+pub trait HalfElem: DeviceRepr {
+    fn cast(k: &CudaKernels) -> &CudaFunction;
+}
+impl HalfElem for bf16 {
+    fn cast(k: &CudaKernels) -> &CudaFunction {
+        &k.cast_f32_to_bf16
+    }
+}
+impl HalfElem for f16 {
+    fn cast(k: &CudaKernels) -> &CudaFunction {
+        &k.cast_f32_to_f16
+    }
+}
+
 /// A RoPE table on the device: `[max_positions, half]` cos and sin, copied from the CPU's.
 pub struct DeviceRopeTable {
     pub cos: CudaSlice<f32>,
@@ -273,6 +293,11 @@ impl DeviceRopeTable {
             max_positions: table.max_positions(),
         })
     }
+
+    /// Device bytes of both tables.
+    pub fn bytes(&self) -> usize {
+        (self.cos.len() + self.sin.len()) * std::mem::size_of::<f32>()
+    }
 }
 
 /// The CPU's attention rows as the kernel reads them: `(pos, table_start, table_len)` per row.
@@ -288,6 +313,7 @@ pub struct CudaKernels {
     _modules: Vec<Arc<CudaModule>>,
     rmsnorm_f32: CudaFunction,
     rmsnorm_inplace_f32: CudaFunction,
+    rmsnorm_rows_f32: CudaFunction,
     rope_f32: CudaFunction,
     silu_mul_f32: CudaFunction,
     embedding_f32: CudaFunction,
@@ -299,6 +325,9 @@ pub struct CudaKernels {
     paged_attention_f32: CudaFunction,
     paged_attention_f16: CudaFunction,
     argmax_f32: CudaFunction,
+    cast_f32_to_bf16: CudaFunction,
+    cast_f32_to_f16: CudaFunction,
+    add_bias_f32: CudaFunction,
 }
 
 impl CudaKernels {
@@ -343,6 +372,7 @@ impl CudaKernels {
         Ok(CudaKernels {
             rmsnorm_f32: take("rmsnorm_f32")?,
             rmsnorm_inplace_f32: take("rmsnorm_inplace_f32")?,
+            rmsnorm_rows_f32: take("rmsnorm_rows_f32")?,
             rope_f32: take("rope_f32")?,
             silu_mul_f32: take("silu_mul_f32")?,
             embedding_f32: take("embedding_f32")?,
@@ -354,6 +384,9 @@ impl CudaKernels {
             paged_attention_f32: take("paged_attention_f32")?,
             paged_attention_f16: take("paged_attention_f16")?,
             argmax_f32: take("argmax_f32")?,
+            cast_f32_to_bf16: take("cast_f32_to_bf16")?,
+            cast_f32_to_f16: take("cast_f32_to_f16")?,
+            add_bias_f32: take("add_bias_f32")?,
             _modules: modules,
         })
     }
@@ -415,6 +448,98 @@ impl CudaKernels {
         launch.arg(x).arg(w).arg(&rows).arg(&d).arg(&eps);
         // SAFETY: the arguments match rmsnorm_inplace_f32's signature; x holds rows * d.
         unsafe { launch.launch(row_config(rows)) }.map_err(driver("rmsnorm_inplace_f32"))?;
+        Ok(())
+    }
+
+    /// `out[r] = rmsnorm(x[index[r]]) * w`: the final norm of the rows that want logits (CPU:
+    /// the norm of `picked` rows in `Model::logits`). `x` is `[x_rows, w.len()]`.
+    pub fn rmsnorm_rows(
+        &self,
+        stream: &CudaStream,
+        x: &CudaView<f32>,
+        w: &CudaView<f32>,
+        index: &CudaView<u32>,
+        eps: f32,
+        out: &mut CudaViewMut<f32>,
+    ) -> Result<(), CudaKernelError> {
+        let d = w.len();
+        shape(
+            d > 0 && x.len().is_multiple_of(d) && out.len() == index.len() * d,
+            || {
+                format!(
+                    "rmsnorm_rows: x {} and out {} are not rows of w {d} ({} picked)",
+                    x.len(),
+                    out.len(),
+                    index.len()
+                )
+            },
+        )?;
+        let (rows, x_rows, d) = (
+            to_u32("rmsnorm_rows rows", index.len())?,
+            to_u32("rmsnorm_rows x rows", x.len() / d)?,
+            to_u32("rmsnorm_rows d", d)?,
+        );
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut launch = stream.launch_builder(&self.rmsnorm_rows_f32);
+        launch
+            .arg(x)
+            .arg(w)
+            .arg(index)
+            .arg(out)
+            .arg(&rows)
+            .arg(&x_rows)
+            .arg(&d)
+            .arg(&eps);
+        // SAFETY: the arguments match rmsnorm_rows_f32's signature; x holds x_rows * d (the
+        // kernel checks each index against x_rows), out rows * d.
+        unsafe { launch.launch(row_config(rows)) }.map_err(driver("rmsnorm_rows_f32"))?;
+        Ok(())
+    }
+
+    /// `out = x` rounded to `T` (bf16 or f16), nearest even: a matrix product's input for
+    /// half-precision weights.
+    pub fn cast<T: HalfElem>(
+        &self,
+        stream: &CudaStream,
+        x: &CudaView<f32>,
+        out: &mut CudaViewMut<T>,
+    ) -> Result<(), CudaKernelError> {
+        shape(x.len() == out.len(), || {
+            format!("cast: x {} and out {} differ", x.len(), out.len())
+        })?;
+        let n = x.len() as u64;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut launch = stream.launch_builder(T::cast(self));
+        launch.arg(x).arg(out).arg(&n);
+        // SAFETY: the arguments match cast_f32_to_<dtype>'s signature; both hold n elements.
+        unsafe { launch.launch(elementwise_config(n)) }.map_err(driver("cast"))?;
+        Ok(())
+    }
+
+    /// `y[r] += bias` for every row of `y` (`[rows, bias.len()]`).
+    pub fn add_bias(
+        &self,
+        stream: &CudaStream,
+        y: &mut CudaViewMut<f32>,
+        bias: &CudaView<f32>,
+    ) -> Result<(), CudaKernelError> {
+        let cols = bias.len();
+        shape(cols > 0 && y.len().is_multiple_of(cols), || {
+            format!("add_bias: y {} is not rows of bias {cols}", y.len())
+        })?;
+        let n = y.len() as u64;
+        let cols = to_u32("add_bias cols", cols)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut launch = stream.launch_builder(&self.add_bias_f32);
+        launch.arg(y).arg(bias).arg(&n).arg(&cols);
+        // SAFETY: the arguments match add_bias_f32's signature; y holds n = rows * cols.
+        unsafe { launch.launch(elementwise_config(n)) }.map_err(driver("add_bias_f32"))?;
         Ok(())
     }
 

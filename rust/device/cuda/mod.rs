@@ -8,9 +8,15 @@
 //!
 //! Nothing here is wired into the engine yet: the forward pass runs on the CPU.
 
+pub mod blas;
+pub mod device;
 pub mod kernels;
+pub mod kv;
+pub mod libraries;
 pub mod nvrtc;
 mod probe;
+pub mod runner;
+pub mod weights;
 
 pub use probe::probe;
 

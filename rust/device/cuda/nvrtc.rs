@@ -1,18 +1,10 @@
 //! Kernel compilation: NVRTC turns a `.cu` source into PTX or a CUBIN for one GPU architecture at
 //! load, and [`KernelCache`] keeps the result on disk so that the next load skips NVRTC.
 //!
-//! **Finding libnvrtc.** cudarc opens the library by name (`libnvrtc.so`, `libnvrtc.so.13`, ...)
-//! through the dynamic loader, and panics on first use when it cannot. So the library is found
-//! first, in this order:
-//! 1. `STRATA_NVRTC_PATH`: the library file, or a folder holding `libnvrtc.so.<major>`;
-//! 2. the dynamic loader's own search (`LD_LIBRARY_PATH`, the system's CUDA install);
-//! 3. the active Python virtual environment (`$VIRTUAL_ENV`), where the `nvidia-cuda-nvrtc` wheel
-//!    puts it (`lib/python3.*/site-packages/nvidia/*/lib/libnvrtc.so.<major>`).
-//!
-//! A library found by path is opened once with `dlopen` and never closed; cudarc's later open by
-//! name then gets that same library, since the loader matches an already loaded library by its
-//! soname (`libnvrtc.so.13`). Every NVRTC call runs under `catch_unwind` as a second guard, as the
-//! driver probe does: no NVRTC, or an incomplete one, is an error, never a panic.
+//! **Finding libnvrtc.** As `libraries.rs` says: `STRATA_NVRTC_PATH`, the dynamic loader's
+//! search, then the active virtual environment (the `nvidia-cuda-nvrtc` wheel). Every NVRTC call
+//! runs under `catch_unwind` as a second guard, as the driver probe does: no NVRTC, or an
+//! incomplete one, is an error, never a panic.
 //!
 //! **The cache.** One file per (program, target, options, NVRTC version), named by an xxh3-128
 //! hash over all of them and the source text (headers included), so any change to a kernel gives
@@ -21,7 +13,7 @@
 //! entry. An entry that fails its check is recompiled and rewritten. The cache is an
 //! optimization: when its folder cannot be written, compilation still succeeds (with a log line).
 
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, CString};
 use std::fmt;
 use std::fs;
 use std::io::Write;
@@ -33,7 +25,7 @@ use std::sync::OnceLock;
 use cudarc::nvrtc::sys;
 
 /// Environment variable: the libnvrtc file (or its folder) to use.
-pub const NVRTC_PATH_ENV: &str = "STRATA_NVRTC_PATH";
+pub const NVRTC_PATH_ENV: &str = super::libraries::NVRTC.env;
 /// Environment variable: the kernel cache folder (default: `$XDG_CACHE_HOME/strata-rs/kernels`,
 /// else `~/.cache/strata-rs/kernels`).
 pub const KERNEL_CACHE_ENV: &str = "STRATA_KERNEL_CACHE";
@@ -186,34 +178,8 @@ pub fn nvrtc() -> Result<&'static NvrtcLibrary, KernelBuildError> {
 
 /// Finds and opens libnvrtc, reading the environment through `env`.
 fn load_library(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<NvrtcLibrary, String> {
-    let found_at = if let Some(given) = env(NVRTC_PATH_ENV) {
-        let file = library_file(Path::new(&given)).ok_or_else(|| {
-            format!(
-                "{NVRTC_PATH_ENV}={} is neither a libnvrtc file nor a folder holding libnvrtc.so.<major>",
-                Path::new(&given).display()
-            )
-        })?;
-        open_by_path(&file)?;
-        format!("{} (from {NVRTC_PATH_ENV})", file.display())
     // SAFETY: only tries to open the library by cudarc's names.
-    } else if unsafe { sys::is_culib_present() } {
-        "the dynamic loader's search path".to_string()
-    } else if let Some(file) = env("VIRTUAL_ENV").and_then(|venv| virtualenv_library(venv.into())) {
-        open_by_path(&file)?;
-        format!("{} (in $VIRTUAL_ENV)", file.display())
-    } else {
-        return Err(format!(
-            "libnvrtc was not found: set {NVRTC_PATH_ENV} to it, add its folder to \
-             LD_LIBRARY_PATH, or `pip install nvidia-cuda-nvrtc` into the active virtual environment"
-        ));
-    };
-    // SAFETY: as above.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(format!(
-            "{found_at} was opened, but cudarc cannot open it by name (its soname must be \
-             libnvrtc.so.13 or another name cudarc looks for)"
-        ));
-    }
+    let found_at = super::libraries::NVRTC.find(env, || unsafe { sys::is_culib_present() })?;
     let version = guarded("nvrtcVersion", || {
         let (mut major, mut minor): (c_int, c_int) = (0, 0);
         // SAFETY: two valid out-pointers.
@@ -223,73 +189,6 @@ fn load_library(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Result<Nvrt
         Ok((major, minor))
     })?;
     Ok(NvrtcLibrary { version, found_at })
-}
-
-/// `path` itself when it is a file, else the newest `libnvrtc.so.<major>` in the folder `path`.
-fn library_file(path: &Path) -> Option<PathBuf> {
-    if path.is_file() {
-        return Some(path.to_path_buf());
-    }
-    let mut found: Vec<(u32, PathBuf)> = fs::read_dir(path)
-        .ok()?
-        .filter_map(|entry| {
-            let file = entry.ok()?.path();
-            Some((library_major(&file)?, file))
-        })
-        .collect();
-    found.sort();
-    found.pop().map(|(_, file)| file)
-}
-
-/// 13 for `.../libnvrtc.so.13`; `None` for any other name.
-fn library_major(file: &Path) -> Option<u32> {
-    file.file_name()?
-        .to_str()?
-        .strip_prefix("libnvrtc.so.")?
-        .parse()
-        .ok()
-}
-
-/// `$VIRTUAL_ENV/lib/python3.*/site-packages/nvidia/*/lib/libnvrtc.so.<major>`, the newest
-/// major when several wheels are installed: the wheel's folder is `cu13` for CUDA 13
-/// (`cuda_nvrtc` in the CUDA 12 wheels).
-fn virtualenv_library(venv: PathBuf) -> Option<PathBuf> {
-    let mut candidates = Vec::new();
-    for python in fs::read_dir(venv.join("lib")).ok()?.flatten() {
-        let nvidia = python.path().join("site-packages").join("nvidia");
-        let Ok(packages) = fs::read_dir(&nvidia) else {
-            continue;
-        };
-        for package in packages.flatten() {
-            if let Some(file) = library_file(&package.path().join("lib")) {
-                candidates.push(file);
-            }
-        }
-    }
-    candidates.sort_by_key(|file| library_major(file));
-    candidates.pop()
-}
-
-/// Opens the library for the life of the process, so that cudarc's open by soname finds it.
-fn open_by_path(file: &Path) -> Result<(), String> {
-    let c_path = CString::new(file.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{}: the path contains a NUL byte", file.display()))?;
-    // SAFETY: a valid C string; the handle is deliberately never closed.
-    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if handle.is_null() {
-        // SAFETY: dlerror returns a thread-local message or NULL.
-        let why = unsafe { libc::dlerror() };
-        let why = if why.is_null() {
-            "unknown error".to_string()
-        } else {
-            // SAFETY: non-NULL dlerror strings are NUL-terminated.
-            unsafe { CStr::from_ptr(why) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        return Err(format!("cannot open {}: {why}", file.display()));
-    }
-    Ok(())
 }
 
 /// Runs NVRTC calls under `catch_unwind`: cudarc panics when a symbol is missing from the library.
@@ -925,76 +824,6 @@ mod tests {
             Some(PathBuf::from("/h/.cache/strata-rs/kernels"))
         );
         assert_eq!(default_dir(env(&[])), None);
-    }
-
-    #[test]
-    fn library_lookup_picks_the_newest_major_and_reports_bad_files() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        assert_eq!(library_file(dir.path()), None);
-        for name in [
-            "libnvrtc.so.12",
-            "libnvrtc.so.13",
-            "libnvrtc-builtins.so.13.5",
-            "libnvrtc.so.13.alt",
-        ] {
-            fs::write(dir.path().join(name), b"not a library").expect("a file");
-        }
-        let found = library_file(dir.path()).expect("a library file");
-        assert_eq!(found, dir.path().join("libnvrtc.so.13"));
-        assert_eq!(library_file(&found), Some(found.clone()));
-        let e = open_by_path(&found).expect_err("not a shared object");
-        assert!(
-            e.starts_with(&format!("cannot open {}: ", found.display())),
-            "{e}"
-        );
-        assert_eq!(library_file(&dir.path().join("absent")), None);
-    }
-
-    #[test]
-    fn a_bad_nvrtc_path_is_a_clear_error() {
-        let dir = tempfile::tempdir().expect("a temp dir");
-        let not_a_library = dir.path().join("libnvrtc.so.13");
-        fs::write(&not_a_library, b"not a library").expect("a file");
-        let env_with = |value: PathBuf| {
-            move |name: &str| (name == NVRTC_PATH_ENV).then(|| value.clone().into_os_string())
-        };
-        let absent = dir.path().join("absent");
-        let e = load_library(env_with(absent.clone())).expect_err("no such file");
-        assert_eq!(
-            e,
-            format!(
-                "STRATA_NVRTC_PATH={} is neither a libnvrtc file nor a folder holding libnvrtc.so.<major>",
-                absent.display()
-            )
-        );
-        for given in [not_a_library.clone(), dir.path().to_path_buf()] {
-            let e = load_library(env_with(given)).expect_err("not a shared object");
-            assert!(
-                e.starts_with(&format!("cannot open {}: ", not_a_library.display())),
-                "{e}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_virtualenv_library_is_found_in_any_nvidia_package() {
-        let venv = tempfile::tempdir().expect("a temp dir");
-        assert_eq!(virtualenv_library(venv.path().to_path_buf()), None);
-        let lib = venv
-            .path()
-            .join("lib/python3.11/site-packages/nvidia/cu13/lib");
-        let older = venv
-            .path()
-            .join("lib/python3.11/site-packages/nvidia/cuda_nvrtc/lib");
-        fs::create_dir_all(&lib).expect("folders");
-        fs::create_dir_all(&older).expect("folders");
-        fs::write(lib.join("libnvrtc.so.13"), b"").expect("a file");
-        // A CUDA 12 wheel beside it: its folder sorts last, but its major is older.
-        fs::write(older.join("libnvrtc.so.12"), b"").expect("a file");
-        assert_eq!(
-            virtualenv_library(venv.path().to_path_buf()),
-            Some(lib.join("libnvrtc.so.13"))
-        );
     }
 
     #[test]

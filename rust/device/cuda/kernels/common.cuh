@@ -31,6 +31,14 @@ __device__ __forceinline__ unsigned short f32_to_f16(float f) {
     return bits;
 }
 
+// f32 to bfloat16, rounded to nearest even (overflow gives +-inf, NaN stays NaN), as
+// half::bf16::from_f32 on the CPU. sm_80 and later have the instruction.
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned short bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(f));
+    return bits;
+}
+
 // bfloat16 is the top half of an f32: widening is a shift, exact.
 __device__ __forceinline__ float bf16_to_f32(unsigned short bits) {
     return __uint_as_float(((u32)bits) << 16);

@@ -28,3 +28,19 @@ extern "C" __global__ void rmsnorm_inplace_f32(float* x, const float* w, u32 row
     if (row >= rows) return;
     rmsnorm_row(x + (u64)row * d, w, x + (u64)row * d, d, eps);
 }
+
+// Gathered: out[r] = rmsnorm(x[index[r]]) * w, the final norm of the rows that want logits
+// (CPU: `Model::logits`, which norms those rows into `picked`). index: [rows]; x: [x_rows, d];
+// out: [rows, d]. An index past x_rows gives a NaN row.
+extern "C" __global__ void rmsnorm_rows_f32(const float* x, const float* w, const u32* index,
+                                            float* out, u32 rows, u32 x_rows, u32 d, float eps) {
+    const u32 row = blockIdx.x;
+    if (row >= rows) return;
+    float* o = out + (u64)row * d;
+    const u32 src = index[row];
+    if (src >= x_rows) {
+        for (u32 i = threadIdx.x; i < d; i += blockDim.x) o[i] = quiet_nan();
+        return;
+    }
+    rmsnorm_row(x + (u64)src * d, w, o, d, eps);
+}

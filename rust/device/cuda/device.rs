@@ -1,0 +1,161 @@
+//! One GPU as the engine uses it: its context, its compute stream, the copy stream of the cache
+//! tiers (created on first use), the kernels, a cuBLAS handle, and its memory pool.
+//!
+//! **Streams and ordering.** Every kernel, product and step-buffer upload of a step goes on the
+//! compute stream, in order, so nothing within a step needs an event. cudarc's per-buffer event
+//! tracking is turned off on the context (it would record an event per buffer access, and those
+//! recordings would also land in captured graphs); the one place two streams meet is a tier move
+//! on the copy stream, which [`CudaDevice::copy_after_compute`] and
+//! [`CudaDevice::compute_after_copy`] order with an explicit event each way.
+//!
+//! **Memory.** The pool's capacity is the free memory `cuMemGetInfo` reports once the context
+//! exists, minus `vram_reserve_mib`: what other processes and the driver hold is never counted as
+//! ours, and the reserve stays free for what the pool does not see (the driver's own allocations
+//! for graphs and streams, fragmentation).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+
+use super::blas::Blas;
+use super::kernels::CudaKernels;
+use super::nvrtc::KernelCache;
+use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
+use crate::error::{Result, StrataError};
+
+pub struct CudaDevice {
+    /// "cuda:0": the name in messages, stats and metrics.
+    pub name: String,
+    pub ctx: Arc<CudaContext>,
+    /// Where every step's work runs, in order.
+    pub stream: Arc<CudaStream>,
+    /// The cache tiers' stream, made on the first move; `copy_streams_created` counts it.
+    copy: OnceLock<Arc<CudaStream>>,
+    pub kernels: CudaKernels,
+    pub blas: Blas,
+    pub memory: MemoryPool,
+    /// Free and total device memory when the pool was sized (`cuMemGetInfo`, bytes).
+    pub free_at_open: usize,
+    pub total: usize,
+    /// cuBLAS's workspace, accounted as workspace.
+    _blas_workspace: Reservation,
+}
+
+/// A failure to use the device at all: the engine cannot load on it.
+fn unavailable(name: &str, what: &str, why: impl std::fmt::Display) -> StrataError {
+    StrataError::DeviceUnavailable(format!("device {name}: {what}: {why}"))
+}
+
+impl CudaDevice {
+    /// Opens GPU `index` with a pool of its free memory minus `reserve` bytes (at least 0), at
+    /// most `cap` bytes when given, the kernels compiled for it (or read from `cache`), and
+    /// cuBLAS. A failure is DeviceUnavailable naming the device and the step; a panic in a
+    /// library opened at run time is one too.
+    pub fn open(
+        index: usize,
+        reserve: u64,
+        cap: Option<u64>,
+        cache: &KernelCache,
+    ) -> Result<CudaDevice> {
+        let name = format!("cuda:{index}");
+        catch_unwind(AssertUnwindSafe(|| {
+            Self::open_unguarded(&name, index, reserve, cap, cache)
+        }))
+        .unwrap_or_else(|_| {
+            Err(unavailable(
+                &name,
+                "opening it",
+                "a CUDA library call panicked (an incomplete driver or library)",
+            ))
+        })
+    }
+
+    fn open_unguarded(
+        name: &str,
+        index: usize,
+        reserve: u64,
+        cap: Option<u64>,
+        cache: &KernelCache,
+    ) -> Result<CudaDevice> {
+        let ctx = CudaContext::new(index)
+            .map_err(|e| unavailable(name, "creating a context", format!("{e:?}")))?;
+        // SAFETY: called before any buffer or stream of this context exists; from here on the
+        // engine orders its streams itself (module docs).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| unavailable(name, "creating the compute stream", format!("{e:?}")))?;
+        let (free, total) = ctx
+            .mem_get_info()
+            .map_err(|e| unavailable(name, "reading its free memory", format!("{e:?}")))?;
+        let capacity = (free as u64).saturating_sub(reserve);
+        let memory = MemoryPool::new(name, Some(cap.map_or(capacity, |c| c.min(capacity))));
+        let kernels = CudaKernels::load(&ctx, cache)
+            .map_err(|e| unavailable(name, "loading the kernels", e))?;
+        let blas_workspace = memory
+            .reserve(Purpose::Workspace, super::blas::WORKSPACE_BYTES as u64)
+            .map_err(|r| StrataError::invalid("vram_reserve_mib", r.to_string()))?;
+        let blas = Blas::new(&stream).map_err(|e| unavailable(name, "starting cuBLAS", e))?;
+        Ok(CudaDevice {
+            name: name.to_string(),
+            ctx,
+            stream,
+            copy: OnceLock::new(),
+            kernels,
+            blas,
+            memory,
+            free_at_open: free,
+            total,
+            _blas_workspace: blas_workspace,
+        })
+    }
+
+    /// Free and total device memory now (`cuMemGetInfo`).
+    pub fn memory_info(&self) -> std::result::Result<(usize, usize), String> {
+        self.ctx.mem_get_info().map_err(|e| format!("{e:?}"))
+    }
+
+    /// Whether the copy stream exists yet (it is made on the first tier move).
+    pub fn copy_streams_created(&self) -> usize {
+        usize::from(self.copy.get().is_some())
+    }
+
+    /// The copy stream, made now if this is the first move. A failure refuses the move.
+    pub fn copy_stream(&self) -> std::result::Result<&Arc<CudaStream>, String> {
+        if let Some(s) = self.copy.get() {
+            return Ok(s);
+        }
+        let s = self
+            .ctx
+            .new_stream()
+            .map_err(|e| format!("{}: creating the copy stream: {e:?}", self.name))?;
+        Ok(self.copy.get_or_init(|| s))
+    }
+
+    /// Makes `copy` wait for everything enqueued on the compute stream so far (a block's last
+    /// writes before it is copied out).
+    pub fn copy_after_compute(&self, copy: &CudaStream) -> std::result::Result<(), String> {
+        let event = self.event()?;
+        event
+            .record(&self.stream)
+            .and_then(|()| copy.wait(&event))
+            .map_err(|e| format!("{}: ordering a copy after compute: {e:?}", self.name))
+    }
+
+    /// Makes the compute stream wait for everything enqueued on `copy` so far (a restored
+    /// block before the prefill that reads it).
+    pub fn compute_after_copy(&self, copy: &CudaStream) -> std::result::Result<(), String> {
+        let event = self.event()?;
+        event
+            .record(copy)
+            .and_then(|()| self.stream.wait(&event))
+            .map_err(|e| format!("{}: ordering compute after a copy: {e:?}", self.name))
+    }
+
+    fn event(&self) -> std::result::Result<CudaEvent, String> {
+        self.ctx
+            .new_event(None)
+            .map_err(|e| format!("{}: creating an event: {e:?}", self.name))
+    }
+}
