@@ -1064,4 +1064,101 @@ mod tests {
             "only the restored block is indexed"
         );
     }
+
+    /// A device part in host memory that fails the reads and writes whose numbers (from 1) it
+    /// is given, as a GPU's copies can fail.
+    struct FlakyPart {
+        blocks: Vec<Vec<u8>>,
+        fail_reads: Vec<usize>,
+        fail_writes: Vec<usize>,
+        reads: std::cell::Cell<usize>,
+        writes: usize,
+    }
+
+    impl crate::kv::blocks::DeviceKv for FlakyPart {
+        fn read_part(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
+            self.reads.set(self.reads.get() + 1);
+            if self.fail_reads.contains(&self.reads.get()) {
+                return Err(format!("read {} failed", self.reads.get()));
+            }
+            out.copy_from_slice(&self.blocks[block as usize]);
+            Ok(())
+        }
+        fn write_part(&mut self, block: u32, data: &[u8]) -> std::result::Result<(), String> {
+            self.writes += 1;
+            if self.fail_writes.contains(&self.writes) {
+                return Err(format!("write {} failed", self.writes));
+            }
+            self.blocks[block as usize].copy_from_slice(data);
+            Ok(())
+        }
+        fn bytes(&self) -> usize {
+            self.blocks.iter().map(Vec::len).sum()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+            self
+        }
+    }
+
+    /// A failed copy out of a device part fails that block's offload (counted) and leaves the
+    /// others; a failed copy in stops the restore there (counted); what moved comes back exact.
+    #[test]
+    fn a_device_parts_failed_copies_fail_those_moves_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let (host_pool, mut cache) = setup(dir.path(), 4, 1 << 20, 1, 0, "");
+        let bytes = host_pool.bytes_per_block();
+        let part = FlakyPart {
+            blocks: vec![vec![0; bytes]; 4],
+            fail_reads: vec![2],
+            // Writes 1 to 3 fill the blocks; 4 is the first restore's first copy in.
+            fail_writes: vec![4],
+            reads: std::cell::Cell::new(0),
+            writes: 0,
+        };
+        let mut pool =
+            BlockPool::on_devices(&[1], vec![Box::new(part)], 4, BS, 1, 2, KvDtype::F32).unwrap();
+        let tokens = [41u32, 42, 43, 44, 45, 46];
+        let mut hashes = Vec::new();
+        extend_hashes(7, &tokens, BS, &mut hashes);
+        let blocks = pool.allocate(3).unwrap().blocks;
+        for (i, &b) in blocks.iter().enumerate() {
+            pool.write_block(b, &vec![i as u8 + 1; bytes]).unwrap();
+            pool.register(b, hashes[i], &tokens[i * BS..(i + 1) * BS]);
+        }
+        pool.release(&blocks);
+        let a = pool.allocate(4).unwrap();
+        assert_eq!(a.evicted.len(), 3);
+        cache.offload(&pool, &a.evicted);
+        assert_eq!(moved(&cache, Tier::Device, Tier::Host, MoveResult::Ok), 2);
+        assert_eq!(
+            moved(&cache, Tier::Device, Tier::Host, MoveResult::Failed),
+            1
+        );
+        pool.release(&a.blocks);
+        // Evicted leaves first: the chain's first block is there, whichever other one failed.
+        let below = cache.probe(&hashes, &tokens, 0);
+        assert!((1..=2).contains(&below), "{below}");
+        let dst = pool.allocate(below).unwrap().blocks;
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), 0);
+        assert_eq!(
+            moved(&cache, Tier::Host, Tier::Device, MoveResult::Failed),
+            1
+        );
+        assert!(
+            pool.lookup(&hashes, &tokens).is_empty(),
+            "nothing half-restored is indexed"
+        );
+        // The next attempt's copies succeed: the blocks come back as they left.
+        assert_eq!(cache.onload(&mut pool, &dst, &hashes, &tokens, 0), below);
+        let mut back = vec![0u8; bytes];
+        pool.read_block(dst[0], &mut back).unwrap();
+        assert_eq!(
+            back,
+            vec![1u8; bytes],
+            "the first block came back as it left"
+        );
+    }
 }

@@ -199,6 +199,15 @@ impl Blas {
         };
         let (m, nn, k) = (int("rows", rows)?, int("n", n)?, int("cols", cols)?);
         let stream = &self.stream;
+        // cuBLAS runs in the calling thread's current context (the engine thread is not the one
+        // that created the handle).
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|source| CudaKernelError::Driver {
+                what: "binding the context for cuBLAS".into(),
+                source,
+            })?;
         // Half weights: the activations rounded to their type first, into the scratch.
         let b_type = match w.dtype {
             DType::F32 => sys::cudaDataType::CUDA_R_32F,

@@ -896,3 +896,106 @@ fn add_bias_and_rmsnorm_rows_match_the_cpu() {
         "index 99 of 7 rows"
     );
 }
+
+/// cuBLAS products against the CPU's `linear`, for each weight dtype and a range of row counts
+/// (one decode row, a decode batch, a prefill chunk). For half weights the GPU multiplies the
+/// activations rounded to the weights' type, so the CPU reference takes the same rounded
+/// activations: what is left is the order of f32 accumulation, at most 333 terms x 2^-24 = 2e-5
+/// of the sum of |terms| here, 4e-5 allowed (a wrong transpose, stride or dtype is off by the
+/// size of the terms).
+#[test]
+fn cublas_products_match_the_cpu_linear() {
+    use super::blas::{DeviceMatrix, Scratch};
+    use crate::model::kernels::cpu::matmul::{linear, MatmulScratch};
+    use crate::model::weights::DType;
+    let Some(gpu) = gpu_or_skip("cublas_products_match_the_cpu_linear") else {
+        return;
+    };
+    let blas = super::blas::Blas::new(&gpu.stream).expect("cuBLAS starts");
+    let mut rng = Rng(37);
+    for &(n, rows, cols) in &[(1usize, 96usize, 64usize), (8, 576, 192), (70, 129, 333)] {
+        let w32 = rng.vec(rows * cols, 1.0);
+        let x = rng.vec(n * cols, 2.0);
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            // The weights as stored, the CPU's view of them, and the activations the GPU
+            // multiplies (rounded for half weights).
+            let (bytes, x_used): (Vec<u8>, Vec<f32>) = match dtype {
+                DType::F32 => (
+                    w32.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                    x.clone(),
+                ),
+                DType::Bf16 => (
+                    w32.iter()
+                        .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
+                        .collect(),
+                    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                ),
+                DType::F16 => (
+                    w32.iter()
+                        .flat_map(|&v| f16::from_f32(v).to_bits().to_le_bytes())
+                        .collect(),
+                    x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+                ),
+            };
+            let w_bf16: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
+            let w_f16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
+            let data = match dtype {
+                DType::F32 => WeightData::F32(&w32),
+                DType::Bf16 => WeightData::Bf16(&w_bf16),
+                DType::F16 => WeightData::F16(&w_f16),
+            };
+            let mut want = vec![0.0f32; n * rows];
+            let mut mm = MatmulScratch::new(2, cols);
+            linear(
+                &x_used,
+                n,
+                MatRef { data, rows, cols },
+                None,
+                &mut want,
+                &mut mm,
+            );
+            // Each output's |terms| summed, for the tolerance.
+            let widened: Vec<f32> = match data {
+                WeightData::F32(w) => w.to_vec(),
+                WeightData::Bf16(w) => w.iter().map(|v| v.to_f32()).collect(),
+                WeightData::F16(w) => w.iter().map(|v| v.to_f32()).collect(),
+            };
+            let magnitude: Vec<f32> = (0..n * rows)
+                .map(|i| {
+                    let (t, r) = (i / rows, i % rows);
+                    (0..cols)
+                        .map(|c| (x_used[t * cols + c] * widened[r * cols + c]).abs())
+                        .sum()
+                })
+                .collect();
+            let w = DeviceMatrix {
+                data: upload(&gpu, &bytes),
+                dtype,
+                rows,
+                cols,
+            };
+            let mut scratch = Scratch::new(&gpu.stream, n * cols).expect("scratch");
+            let dx = upload(&gpu, &x);
+            let mut dy = gpu
+                .stream
+                .alloc_zeros::<f32>(n * rows)
+                .expect("an allocation");
+            blas.linear(
+                &gpu.kernels,
+                &dx.as_view(),
+                n,
+                &w,
+                &mut scratch,
+                &mut dy.as_view_mut(),
+            )
+            .expect("the product runs");
+            let got = download(&gpu, &dy);
+            for (i, ((&g, &e), &m)) in got.iter().zip(&want).zip(&magnitude).enumerate() {
+                assert!(
+                    (g - e).abs() <= 4e-5 * m + 1e-6,
+                    "{dtype:?} n {n} [{rows}, {cols}]: element {i}: GPU {g} vs CPU {e}"
+                );
+            }
+        }
+    }
+}

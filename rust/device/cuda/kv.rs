@@ -190,7 +190,9 @@ impl DeviceKv for CudaKvPart {
         match staging.as_mut() {
             Some(pinned) => {
                 copy.memcpy_dtoh(&src, pinned).map_err(failed)?;
-                // as_slice waits for the copy (the buffer's event).
+                // The buffer's own event is not recorded with event tracking off (see
+                // device.rs), so its accessors would not wait: the stream is waited for here.
+                copy.synchronize().map_err(failed)?;
                 out.copy_from_slice(pinned.as_slice().map_err(failed)?);
             }
             None => {
@@ -213,6 +215,7 @@ impl DeviceKv for CudaKvPart {
         let mut staging = self.staging.borrow_mut();
         match staging.as_mut() {
             Some(pinned) => {
+                // Free: every move waits for its copy before it returns.
                 pinned.as_mut_slice().map_err(failed)?.copy_from_slice(data);
                 copy.memcpy_htod(pinned, &mut dst).map_err(failed)?;
             }
