@@ -141,3 +141,29 @@ async def test_metrics_expose_memory_in_use_by_device_and_purpose(model_dir: Mak
     assert got["kv"] == block * s["kv_blocks_total"]
     assert got["workspace"] > 0
     assert got["graphs"] == 0
+    # The graph cache and the copy streams are listed on the CPU too, at 0 (it captures none and
+    # copies in memory).
+    assert s["graphs"] == dict.fromkeys(
+        [
+            "graphs",
+            "bytes",
+            "captures",
+            "hits",
+            "evictions",
+            "oom_retries",
+            "oom_fallbacks",
+            "capture_failures",
+            "oversize",
+        ],
+        0,
+    )
+    assert s["copy_streams"] == 0
+    for name in [
+        "strata:graph_cache_graphs",
+        "strata:graph_cache_bytes",
+        "strata:graph_captures_total",
+        "strata:graph_oom_fallbacks_total",
+        "strata:graph_capture_failures_total",
+        "strata:copy_streams",
+    ]:
+        assert metrics[name] == 0.0, name

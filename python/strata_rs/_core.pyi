@@ -303,7 +303,8 @@ class MemoryInUse(TypedDict):
     """Buffers sized at load: activations, matmul and attention scratch, the logits rows
     sampled from, the RoPE table."""
     graphs: int
-    """Captured CUDA graphs (always 0 on the CPU)."""
+    """Captured decode graphs on a GPU, each as the drop in free memory over its capture
+    (always 0 on the CPU)."""
     staging: int
     """The conversation cache's one-block buffer for disk moves, once allocated (with a layer
     split, each device's part of it)."""
@@ -312,6 +313,19 @@ class DeviceMemory(TypedDict):
     capacity_bytes: int | None
     """What the device may hold; None when not bounded (a CPU without device_memory_mib)."""
     in_use_bytes: MemoryInUse
+
+class GraphStats(TypedDict):
+    """The GPU's captured decode graphs (one per padded batch size); all 0 on the CPU."""
+
+    graphs: int
+    bytes: int
+    captures: int
+    hits: int
+    evictions: int
+    oom_retries: int
+    oom_fallbacks: int
+    capture_failures: int
+    oversize: int
 
 class EngineStatsDict(TypedDict):
     running: int
@@ -336,8 +350,11 @@ class EngineStatsDict(TypedDict):
     stopped: str | None
     cache: CacheStatsDict
     memory: dict[str, DeviceMemory]
-    """Per device ("cpu"; with a layer split "cpu:0", "cpu:1", ...): its capacity and the bytes
-    in use by purpose, read at the call."""
+    """Per device ("cpu"; with a layer split "cpu:0", "cpu:1", ...; "cuda:0", ...): its capacity
+    and the bytes in use by purpose, read at the call."""
+    graphs: GraphStats
+    copy_streams: int
+    """Copy streams the GPUs' cache moves have made (one per GPU, on its first move)."""
 
 Prompt = str | Sequence[int]
 
@@ -431,7 +448,10 @@ class Engine:
         per tier, moves per (from, to, result), refusals per gate, corrupt and adopted disk
         files, and the last restore (None before the first). ``memory`` is each device's memory
         accounting, read at the call: ``{"cpu": {"capacity_bytes": None, "in_use_bytes":
-        {"weights": ..., "kv": ..., "workspace": ..., "graphs": 0, "staging": ...}}}``."""
+        {"weights": ..., "kv": ..., "workspace": ..., "graphs": 0, "staging": ...}}}``.
+        ``graphs`` is the GPU's captured decode graphs (graphs, bytes, captures, hits,
+        evictions, oom_retries, oom_fallbacks, capture_failures, oversize; all 0 on the CPU),
+        ``copy_streams`` the copy streams the GPUs' cache moves have made."""
     def _inject_fault(self) -> None:
         """Makes the engine thread's next step panic as a bug would (tests of fault handling)."""
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:

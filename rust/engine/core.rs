@@ -438,6 +438,8 @@ impl EngineCore {
         st.prefix_query_tokens = c.prefix_query_tokens;
         st.prefix_hit_tokens = c.prefix_hit_tokens;
         st.cache.clone_from(self.cache.stats());
+        st.graphs = self.runner.graph_stats();
+        st.copy_streams = self.runner.copy_streams();
         if let Some(d) = step {
             st.record_step(d, plan.iter().map(|c| c.len).sum());
         }

@@ -198,6 +198,23 @@ impl ModelRunner {
         }
     }
 
+    /// The captured decode graphs' counters (the CPU captures none).
+    pub fn graph_stats(&self) -> crate::device::graphs::GraphCacheStats {
+        match &self.backend {
+            Backend::Cpu(_) => Default::default(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(c) => c.graph_stats(),
+        }
+    }
+
+    /// Copy streams made for tier moves (GPUs make one each on their first move).
+    pub fn copy_streams(&self) -> usize {
+        (0..self.kv.num_stages())
+            .filter_map(|d| self.kv.device_part(d))
+            .map(|p| p.copy_streams())
+            .sum()
+    }
+
     /// Rows of one step: the workspace's size.
     pub fn max_tokens(&self) -> usize {
         match &self.backend {

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::cache::CacheStats;
+use crate::device::graphs::GraphCacheStats;
 
 /// Counts of observations at or below each bound (Prometheus-style cumulative buckets are
 /// derived on export), with their sum.
@@ -68,6 +69,10 @@ pub struct EngineStats {
     pub stopped: Option<String>,
     /// The conversation cache's tiers, moves and refusals.
     pub cache: CacheStats,
+    /// The captured decode graphs (all zero on the CPU, which captures none).
+    pub graphs: GraphCacheStats,
+    /// Copy streams the GPUs' tier moves have made (one per GPU at most, on its first move).
+    pub copy_streams: usize,
 }
 
 impl Default for EngineStats {
@@ -93,6 +98,8 @@ impl Default for EngineStats {
             ttft_seconds: Histogram::new(LATENCY_BOUNDS),
             stopped: None,
             cache: CacheStats::default(),
+            graphs: GraphCacheStats::default(),
+            copy_streams: 0,
         }
     }
 }

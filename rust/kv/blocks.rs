@@ -70,6 +70,10 @@ pub trait DeviceKv: Send {
     fn write_part(&mut self, block: u32, data: &[u8]) -> std::result::Result<(), String>;
     /// Bytes this part holds (every block's), as allocated.
     fn bytes(&self) -> usize;
+    /// Copy streams the part's moves have made (a GPU makes one on its first move).
+    fn copy_streams(&self) -> usize {
+        0
+    }
     fn as_any(&self) -> &dyn std::any::Any;
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 }

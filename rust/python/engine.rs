@@ -214,6 +214,19 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("step_seconds", histogram_dict(py, &s.step_seconds)?)?;
     d.set_item("ttft_seconds", histogram_dict(py, &s.ttft_seconds)?)?;
     d.set_item("stopped", s.stopped.clone())?;
+    let g = &s.graphs;
+    let graphs = PyDict::new(py);
+    graphs.set_item("graphs", g.graphs)?;
+    graphs.set_item("bytes", g.bytes)?;
+    graphs.set_item("captures", g.captures)?;
+    graphs.set_item("hits", g.hits)?;
+    graphs.set_item("evictions", g.evictions)?;
+    graphs.set_item("oom_retries", g.oom_retries)?;
+    graphs.set_item("oom_fallbacks", g.oom_fallbacks)?;
+    graphs.set_item("capture_failures", g.capture_failures)?;
+    graphs.set_item("oversize", g.oversize)?;
+    d.set_item("graphs", graphs)?;
+    d.set_item("copy_streams", s.copy_streams)?;
     Ok(d)
 }
 

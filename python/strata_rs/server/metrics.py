@@ -108,6 +108,29 @@ class EngineCollector(Collector):
             for purpose, n in pool["in_use_bytes"].items():
                 memory.add_metric([device, purpose], n)
         yield memory
+        graphs = s["graphs"]
+        yield gauge("strata:graph_cache_graphs", "Captured decode graphs cached", graphs["graphs"])
+        yield gauge(
+            "strata:graph_cache_bytes", "Device bytes the cached decode graphs hold", graphs["bytes"]
+        )
+        yield counter(
+            "strata:graph_captures", "Decode graphs captured (kept or too large)", graphs["captures"]
+        )
+        yield counter(
+            "strata:graph_oom_fallbacks",
+            "Decode steps run uncaptured because capturing their graph ran out of device memory",
+            graphs["oom_fallbacks"],
+        )
+        yield counter(
+            "strata:graph_capture_failures",
+            "Graph captures that failed for another reason (that batch size then runs uncaptured)",
+            graphs["capture_failures"],
+        )
+        yield gauge(
+            "strata:copy_streams",
+            "Copy streams the GPUs' cache moves have created (one per GPU, on its first move)",
+            s["copy_streams"],
+        )
         cache = s["cache"]
         tiers = cache["tiers"]
         cache_bytes = GaugeMetricFamily(

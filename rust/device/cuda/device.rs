@@ -1,12 +1,12 @@
-//! One GPU as the engine uses it: its context, its compute stream, the copy stream of the cache
-//! tiers (created on first use), the kernels, a cuBLAS handle, and its memory pool.
+//! One GPU as the engine uses it: its context, its compute stream, the kernels, a cuBLAS handle,
+//! and its memory pool (the cache tiers' copy stream belongs to its K/V part, `kv.rs`).
 //!
 //! **Streams and ordering.** Every kernel, product and step-buffer upload of a step goes on the
 //! compute stream, in order, so nothing within a step needs an event. cudarc's per-buffer event
 //! tracking is turned off on the context (it would record an event per buffer access, and those
 //! recordings would also land in captured graphs); the one place two streams meet is a tier move
-//! on the copy stream, which [`CudaDevice::copy_after_compute`] and
-//! [`CudaDevice::compute_after_copy`] order with an explicit event each way.
+//! on the K/V part's copy stream, ordered after compute with an explicit event and waited for
+//! before the move returns.
 //!
 //! **Memory.** The pool's capacity is the free memory `cuMemGetInfo` reports once the context
 //! exists, minus `vram_reserve_mib`: what other processes and the driver hold is never counted as
@@ -14,9 +14,9 @@
 //! for graphs and streams, fragmentation).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 
 use super::blas::Blas;
 use super::kernels::CudaKernels;
@@ -30,8 +30,6 @@ pub struct CudaDevice {
     pub ctx: Arc<CudaContext>,
     /// Where every step's work runs, in order.
     pub stream: Arc<CudaStream>,
-    /// The cache tiers' stream, made on the first move; `copy_streams_created` counts it.
-    copy: OnceLock<Arc<CudaStream>>,
     pub kernels: CudaKernels,
     pub blas: Blas,
     pub memory: MemoryPool,
@@ -101,7 +99,6 @@ impl CudaDevice {
             name: name.to_string(),
             ctx,
             stream,
-            copy: OnceLock::new(),
             kernels,
             blas,
             memory,
@@ -114,48 +111,5 @@ impl CudaDevice {
     /// Free and total device memory now (`cuMemGetInfo`).
     pub fn memory_info(&self) -> std::result::Result<(usize, usize), String> {
         self.ctx.mem_get_info().map_err(|e| format!("{e:?}"))
-    }
-
-    /// Whether the copy stream exists yet (it is made on the first tier move).
-    pub fn copy_streams_created(&self) -> usize {
-        usize::from(self.copy.get().is_some())
-    }
-
-    /// The copy stream, made now if this is the first move. A failure refuses the move.
-    pub fn copy_stream(&self) -> std::result::Result<&Arc<CudaStream>, String> {
-        if let Some(s) = self.copy.get() {
-            return Ok(s);
-        }
-        let s = self
-            .ctx
-            .new_stream()
-            .map_err(|e| format!("{}: creating the copy stream: {e:?}", self.name))?;
-        Ok(self.copy.get_or_init(|| s))
-    }
-
-    /// Makes `copy` wait for everything enqueued on the compute stream so far (a block's last
-    /// writes before it is copied out).
-    pub fn copy_after_compute(&self, copy: &CudaStream) -> std::result::Result<(), String> {
-        let event = self.event()?;
-        event
-            .record(&self.stream)
-            .and_then(|()| copy.wait(&event))
-            .map_err(|e| format!("{}: ordering a copy after compute: {e:?}", self.name))
-    }
-
-    /// Makes the compute stream wait for everything enqueued on `copy` so far (a restored
-    /// block before the prefill that reads it).
-    pub fn compute_after_copy(&self, copy: &CudaStream) -> std::result::Result<(), String> {
-        let event = self.event()?;
-        event
-            .record(copy)
-            .and_then(|()| self.stream.wait(&event))
-            .map_err(|e| format!("{}: ordering compute after a copy: {e:?}", self.name))
-    }
-
-    fn event(&self) -> std::result::Result<CudaEvent, String> {
-        self.ctx
-            .new_event(None)
-            .map_err(|e| format!("{}: creating an event: {e:?}", self.name))
     }
 }

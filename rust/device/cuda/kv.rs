@@ -139,11 +139,6 @@ impl CudaKvPart {
         self.staging.borrow().is_some()
     }
 
-    /// Copy streams made so far: 0 before the first move, then 1.
-    pub fn copy_streams_created(&self) -> usize {
-        usize::from(self.copy.get().is_some())
-    }
-
     /// The copy stream, made now on the first move, after the compute stream's work so far.
     fn copy_stream(&self) -> Result<&Arc<CudaStream>, String> {
         let copy = match self.copy.get() {
@@ -227,6 +222,11 @@ impl DeviceKv for CudaKvPart {
 
     fn bytes(&self) -> usize {
         self.data.len()
+    }
+
+    /// 0 before the first move, then 1.
+    fn copy_streams(&self) -> usize {
+        usize::from(self.copy.get().is_some())
     }
 
     fn as_any(&self) -> &dyn Any {

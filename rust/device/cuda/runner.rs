@@ -1011,9 +1011,19 @@ impl GraphBackend for DecodeCapture<'_> {
             .device
             .memory_info()
             .map_err(CaptureError::Other)?;
+        let bytes = free_before.saturating_sub(free_after) as u64;
+        // Accounted in the device's pool as `graphs` for as long as the graph lives; a pool
+        // without room is out of memory, as the cache understands it (it frees graphs, retries).
+        let memory = self
+            .stage
+            .device
+            .memory
+            .reserve(Purpose::Graphs, bytes)
+            .map_err(|r| CaptureError::OutOfMemory(r.to_string()))?;
         Ok(CapturedStep {
             graph,
-            bytes: free_before.saturating_sub(free_after) as u64,
+            bytes,
+            _memory: memory,
         })
     }
 
@@ -1027,6 +1037,8 @@ impl GraphBackend for DecodeCapture<'_> {
 pub struct CapturedStep {
     graph: CudaGraph,
     bytes: u64,
+    /// The pool's `graphs` bytes, released with the graph.
+    _memory: Reservation,
 }
 
 // SAFETY: CUDA graph objects are not internally synchronized, but may be used from any thread
