@@ -111,10 +111,14 @@ class EngineCollector(Collector):
         graphs = s["graphs"]
         yield gauge("strata:graph_cache_graphs", "Captured decode graphs cached", graphs["graphs"])
         yield gauge(
-            "strata:graph_cache_bytes", "Device bytes the cached decode graphs hold", graphs["bytes"]
+            "strata:graph_cache_bytes",
+            "Device bytes the cached decode graphs hold",
+            graphs["bytes"],
         )
         yield counter(
-            "strata:graph_captures", "Decode graphs captured (kept or too large)", graphs["captures"]
+            "strata:graph_captures",
+            "Decode graphs captured (kept or too large)",
+            graphs["captures"],
         )
         yield counter(
             "strata:graph_oom_fallbacks",
