@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("make-model", help="write a random-weight model folder (for tests, demos)")
     m.add_argument("out", type=Path, help="folder to write")
     m.add_argument("--family", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
-    m.add_argument("--preset", choices=("tiny", "smollm-135m"), default="tiny")
+    m.add_argument("--preset", choices=("tiny", "smollm-135m", "llama-1b"), default="tiny")
     m.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
     m.add_argument("--seed", type=int, default=0)
 

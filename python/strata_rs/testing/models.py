@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-PRESETS = ("tiny", "smollm-135m")
+PRESETS = ("tiny", "smollm-135m", "llama-1b")
 DTYPES = ("f32", "bf16", "f16")
 
 # Strings transformers writes in config.json["torch_dtype"].
@@ -78,7 +78,24 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 100000.0,
         "rms_norm_eps": 1e-5,
     },
+    # Llama-3.2-1B's shape (1.24B parameters, tied): the 1B-class model of the GPU checks. Its
+    # tokenizer learns 49,152 tokens; the other embedding rows are unused.
+    "llama-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+    },
 }
+# Presets whose tokenizer learns fewer tokens than the vocabulary (training 128K tokens on the
+# built-in corpus would take minutes and most of them would be rare byte pairs anyway).
+_PRESET_TOKENIZER_VOCAB = {"llama-1b": 49152}
 
 _TINY_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {
@@ -529,7 +546,7 @@ def make_model(
     config's vocab_size (a padded vocabulary, as in Qwen2).
     """
     shards = int(overrides.pop("shards", 1))
-    tokenizer_vocab = overrides.pop("tokenizer_vocab_size", None)
+    tokenizer_vocab = overrides.pop("tokenizer_vocab_size", _PRESET_TOKENIZER_VOCAB.get(preset))
     config = build_config(family, preset, dtype, **overrides)
     out_path = pathlib.Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
