@@ -965,7 +965,12 @@ mod x86 {
                 o
             }
 
-            /// Rows `r0..r1` for all `n` tokens, in blocks of 4 rows x up to 2 tokens.
+            /// Rows `r0..r1` for all `n` tokens, in blocks of 3 rows x up to 4 tokens: 12
+            /// accumulators, 3 weight vectors and the token's vector fill the 16 ymm registers,
+            /// and each weight vector loaded serves 4 tokens (a 4x2 block's served 2, which left
+            /// the FMAs waiting on loads). Every output's arithmetic is the block's whatever its
+            /// shape (lane-strided FMA chains, `hsum256`, the scalar tail), so the tiling does
+            /// not change a bit.
             #[target_feature(enable = "avx2,fma,f16c")]
             pub(super) unsafe fn $rows(
                 w: *const $elem,
@@ -978,22 +983,25 @@ mod x86 {
             ) {
                 let mut r = r0;
                 while r < r1 {
-                    let four = r1 - r >= 4;
+                    let three = r1 - r >= 3;
                     let wr = w.add(r * k);
                     let mut t = 0;
-                    // Tokens in pairs: 4x2 accumulators + 4 weight vectors fit in 16 ymm.
                     while t < n {
                         let xt = x.add(t * k);
-                        let tt = (n - t).min(2);
-                        match (four, tt) {
-                            (true, 1) => out.store(&$block::<4, 1>(wr, k, xt), t, r),
-                            (true, _) => out.store(&$block::<4, 2>(wr, k, xt), t, r),
+                        let tt = (n - t).min(4);
+                        match (three, tt) {
+                            (true, 1) => out.store(&$block::<3, 1>(wr, k, xt), t, r),
+                            (true, 2) => out.store(&$block::<3, 2>(wr, k, xt), t, r),
+                            (true, 3) => out.store(&$block::<3, 3>(wr, k, xt), t, r),
+                            (true, _) => out.store(&$block::<3, 4>(wr, k, xt), t, r),
                             (false, 1) => out.store(&$block::<1, 1>(wr, k, xt), t, r),
-                            (false, _) => out.store(&$block::<1, 2>(wr, k, xt), t, r),
+                            (false, 2) => out.store(&$block::<1, 2>(wr, k, xt), t, r),
+                            (false, 3) => out.store(&$block::<1, 3>(wr, k, xt), t, r),
+                            (false, _) => out.store(&$block::<1, 4>(wr, k, xt), t, r),
                         }
                         t += tt;
                     }
-                    r += if four { 4 } else { 1 };
+                    r += if three { 3 } else { 1 };
                 }
             }
         };
