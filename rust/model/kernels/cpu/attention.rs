@@ -567,8 +567,10 @@ trait Widen {
     /// The CPU supports the implementation's ISA; `src` and `dst` hold `n` elements.
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize);
 
-    /// Whether row blocks take [`lanes_step_avx512`] (the same bits as [`tile_step`], faster).
-    const LANES_PATH: bool = false;
+    /// Query lanes ((row, head) pairs) per vector when row blocks take the lanes path
+    /// ([`lanes_step_avx512`] with 16, [`lanes_step_avx2`] with 8: the same bits as
+    /// [`tile_step`], faster); 0: row by row.
+    const QUERY_LANES: usize = 0;
 }
 
 struct Plain;
@@ -585,6 +587,8 @@ impl Widen for Plain {
 struct Avx2;
 #[cfg(target_arch = "x86_64")]
 impl Widen for Avx2 {
+    const QUERY_LANES: usize = 8;
+
     #[inline(always)]
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
         use std::arch::x86_64::*;
@@ -608,7 +612,7 @@ impl Widen for Avx2 {
 struct Avx512;
 #[cfg(target_arch = "x86_64")]
 impl Widen for Avx512 {
-    const LANES_PATH: bool = true;
+    const QUERY_LANES: usize = 16;
 
     #[inline(always)]
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
@@ -737,27 +741,29 @@ fn rows_task<W: Widen, E: KvElem>(
         std::ptr::write_bytes(p, 0, n * gh);
         std::slice::from_raw_parts_mut(p, n * gh)
     };
-    // Two or more rows: their queries transposed, lane = i * group + h, LANES lanes per vector
-    // (`qt[(v * hd + d) * LANES + lane % LANES]`, v = lane / LANES), unused lanes zero.
+    // Two or more rows on the lanes path: their queries transposed, lane = i * group + h, QL =
+    // W::QUERY_LANES lanes per vector (`qt[(v * hd + d) * QL + lane % QL]`, v = lane / QL),
+    // unused lanes zero.
     let mut qt_buf = [MaybeUninit::<f32>::uninit(); LANE_BLOCK * MAX_HEAD_DIM];
-    let qt = (W::LANES_PATH && n >= 2).then(|| {
+    let ql = W::QUERY_LANES;
+    let qt = (ql > 0 && n >= 2).then(|| {
         let lanes = n * group;
-        let vectors = lanes.div_ceil(LANES);
-        debug_assert!(lanes <= LANE_BLOCK);
-        // SAFETY: vectors * hd * LANES <= LANE_BLOCK * MAX_HEAD_DIM (row_block_limit keeps
-        // n * group <= LANE_BLOCK, rounded up to whole vectors of LANES); every float is
+        let vectors = lanes.div_ceil(ql);
+        debug_assert!(lanes <= LANE_BLOCK && LANE_BLOCK.is_multiple_of(ql));
+        // SAFETY: vectors * hd * ql <= LANE_BLOCK * MAX_HEAD_DIM (row_block_limit keeps
+        // n * group <= LANE_BLOCK, a multiple of ql, so whole vectors fit too); every float is
         // written here before it is read.
         let qt = unsafe {
             let p = qt_buf.as_mut_ptr().cast::<f32>();
-            std::ptr::write_bytes(p, 0, vectors * hd * LANES);
-            std::slice::from_raw_parts_mut(p, vectors * hd * LANES)
+            std::ptr::write_bytes(p, 0, vectors * hd * ql);
+            std::slice::from_raw_parts_mut(p, vectors * hd * ql)
         };
         for lane in 0..lanes {
             let (i, h) = (lane / group, lane % group);
             let q = &c.q_group(first + i, g)[h * hd..(h + 1) * hd];
-            let (v, l) = (lane / LANES, lane % LANES);
+            let (v, l) = (lane / ql, lane % ql);
             for (d, &x) in q.iter().enumerate() {
-                qt[(v * hd + d) * LANES + l] = x;
+                qt[(v * hd + d) * ql + l] = x;
             }
         }
         &*qt
@@ -908,10 +914,17 @@ fn segment_pass<W: Widen, E: KvElem>(
         };
         #[cfg(target_arch = "x86_64")]
         if let Some(qt) = qt {
-            // SAFETY: qt is only built for W = Avx512 (the CPU has AVX-512F), with hd * LANES
-            // floats per 16 lanes of the rows' heads (rows_task); the tile is widened above;
-            // accs[i] holds group * hd floats for every row whose part is not empty.
-            unsafe { lanes_step_avx512(qt, parts, t0, group, hd, kts, vts, c.scale, accs, states) };
+            // SAFETY: qt is only built where W::QUERY_LANES > 0: W = Avx512 (16 lanes, the CPU
+            // has AVX-512F) or Avx2 (8 lanes, AVX2 and FMA), with hd * QUERY_LANES floats per
+            // vector of the rows' heads (rows_task); the tile is widened above; accs[i] holds
+            // group * hd floats for every row whose part is not empty.
+            unsafe {
+                if W::QUERY_LANES == 16 {
+                    lanes_step_avx512(qt, parts, t0, group, hd, kts, vts, c.scale, accs, states)
+                } else {
+                    lanes_step_avx2(qt, parts, t0, group, hd, kts, vts, c.scale, accs, states)
+                }
+            };
             t0 += LANES;
             continue;
         }
@@ -1282,6 +1295,247 @@ unsafe fn pv_lanes_avx512<const N: usize>(
             for n in 0..N {
                 for x in 0..4 {
                     _mm512_storeu_ps(acc[n].add(d0 + 16 * x), r[n][x]);
+                }
+            }
+        } else {
+            for n in 0..N {
+                if corr[n] != 1.0 {
+                    for x in 0..w {
+                        *acc[n].add(d0 + x) *= corr[n];
+                    }
+                }
+            }
+            for k in a..=b {
+                let row = &vt[k * hd + d0..k * hd + d0 + w];
+                for n in 0..N {
+                    let pn = p[k][lane + n];
+                    for (x, &y) in row.iter().enumerate() {
+                        let o = acc[n].add(d0 + x);
+                        *o = pn.mul_add(y, *o);
+                    }
+                }
+            }
+        }
+        d0 += w;
+    }
+}
+
+/// [`lanes_step_avx512`] on AVX2: 8 query lanes per vector, keys scored in two halves of 8 so
+/// that the accumulators fit the 16 registers. Every lane's arithmetic is [`tile_step`]'s,
+/// operation for operation, as in the AVX-512 version (`fast_exp_avx2` is `fast_exp`), so a row's
+/// bits do not depend on the path (`attention_rows_are_batch_invariant` checks it against the
+/// portable build).
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; `qt` holds `hd * 8` floats per 8 lanes of
+/// `parts.len() * group`, `kt` and `vt` a widened tile (`hd * LANES` floats each), `accs[i]`
+/// `group * hd` floats for every row whose part meets the tile.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn lanes_step_avx2(
+    qt: &[f32],
+    parts: &[(usize, usize)],
+    t0: usize,
+    group: usize,
+    hd: usize,
+    kt: &[f32],
+    vt: &[f32],
+    scale: f32,
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
+) {
+    use super::swiglu::fast_exp_avx2;
+    use std::arch::x86_64::*;
+    const QL: usize = 8;
+    let lanes = parts.len() * group;
+    let kt = &kt[..hd * LANES];
+    let kp = kt.as_ptr();
+    for v in 0..lanes.div_ceil(QL) {
+        let base = v * QL;
+        let count = (lanes - base).min(QL);
+        let q = qt[v * hd * QL..(v + 1) * hd * QL].as_ptr();
+        // Each lane's visible keys in this tile, `ka..=kb` (none: ka > kb).
+        let mut ka = [LANES as i32; QL];
+        let mut kb = [0i32; QL];
+        let mut mx = [f32::NEG_INFINITY; QL];
+        let mut sum = [0f32; QL];
+        let mut rh = [(0usize, 0usize); QL];
+        let (mut i, mut h) = (base / group, base % group);
+        for x in rh.iter_mut().take(count) {
+            *x = (i, h);
+            h += 1;
+            if h == group {
+                (i, h) = (i + 1, 0);
+            }
+        }
+        for l in 0..count {
+            let (i, h) = rh[l];
+            let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
+            if a <= b {
+                (ka[l], kb[l]) = ((a - t0) as i32, (b - t0) as i32);
+            }
+            mx[l] = states[i].mx[h];
+            sum[l] = states[i].sum[h];
+        }
+        let (kav, kbv) = (
+            _mm256_loadu_si256(ka.as_ptr().cast()),
+            _mm256_loadu_si256(kb.as_ptr().cast()),
+        );
+        // Key k is visible to a lane where ka <= k <= kb: all ones there, zero elsewhere.
+        let ones = _mm256_set1_epi32(-1);
+        let mut valid = [_mm256_setzero_ps(); LANES];
+        for (k, m) in valid.iter_mut().enumerate() {
+            let kv = _mm256_set1_epi32(k as i32);
+            let outside = _mm256_or_si256(_mm256_cmpgt_epi32(kav, kv), _mm256_cmpgt_epi32(kv, kbv));
+            *m = _mm256_castsi256_ps(_mm256_xor_si256(outside, ones));
+        }
+        // Scores: chain j holds elements d = j, j + 4, ... of the head, in order; then
+        // ((c0 + c1) + (c2 + c3)) * scale. Keys in two halves of 8 (each key's chain is the
+        // same sequence of FMAs either way).
+        let zero = _mm256_setzero_ps();
+        let mut chains = [[zero; LANES]; 4];
+        for (j, chain) in chains.iter_mut().enumerate() {
+            for half in 0..2 {
+                let mut acc = [zero; 8];
+                let mut d = j;
+                while d < hd {
+                    let qv = _mm256_loadu_ps(q.add(d * QL));
+                    for k in 0..8 {
+                        let kd = _mm256_set1_ps(*kp.add(d * LANES + half * 8 + k));
+                        acc[k] = _mm256_fmadd_ps(qv, kd, acc[k]);
+                    }
+                    d += 4;
+                }
+                chain[half * 8..half * 8 + 8].copy_from_slice(&acc);
+            }
+        }
+        let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let mut sc = [zero; LANES];
+        for k in 0..LANES {
+            let x = _mm256_mul_ps(
+                _mm256_add_ps(
+                    _mm256_add_ps(chains[0][k], chains[1][k]),
+                    _mm256_add_ps(chains[2][k], chains[3][k]),
+                ),
+                _mm256_set1_ps(scale),
+            );
+            sc[k] = _mm256_blendv_ps(neg_inf, x, valid[k]);
+        }
+        // tree16's max: op(x, y) = if y > x { y } else { x }, which is max_ps(y, x).
+        let mut t = sc;
+        let mut n = LANES / 2;
+        while n > 0 {
+            for k in 0..n {
+                t[k] = _mm256_max_ps(t[k + n], t[k]);
+            }
+            n /= 2;
+        }
+        let mxv = _mm256_loadu_ps(mx.as_ptr());
+        let new_max = _mm256_max_ps(t[0], mxv);
+        let e = fast_exp_avx2(_mm256_sub_ps(mxv, new_max));
+        let one = _mm256_set1_ps(1.0);
+        let corr = _mm256_blendv_ps(e, one, _mm256_cmp_ps::<_CMP_EQ_OQ>(mxv, new_max));
+        let corr = _mm256_blendv_ps(corr, zero, _mm256_cmp_ps::<_CMP_EQ_OQ>(mxv, neg_inf));
+        let mut p = [[0f32; QL]; LANES];
+        let mut pv = [zero; LANES];
+        for k in 0..LANES {
+            let e = fast_exp_avx2(_mm256_sub_ps(sc[k], new_max));
+            pv[k] = _mm256_and_ps(valid[k], e);
+            _mm256_storeu_ps(p[k].as_mut_ptr(), pv[k]);
+        }
+        let mut n = LANES / 2;
+        while n > 0 {
+            for k in 0..n {
+                pv[k] = _mm256_add_ps(pv[k], pv[k + n]);
+            }
+            n /= 2;
+        }
+        let new_sum = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sum.as_ptr()), corr), pv[0]);
+        let (mut nm, mut ns, mut cr) = ([0f32; QL], [0f32; QL], [0f32; QL]);
+        _mm256_storeu_ps(nm.as_mut_ptr(), new_max);
+        _mm256_storeu_ps(ns.as_mut_ptr(), new_sum);
+        _mm256_storeu_ps(cr.as_mut_ptr(), corr);
+        let mut acc_at = [std::ptr::null_mut::<f32>(); QL];
+        for l in 0..count {
+            if ka[l] > kb[l] {
+                continue;
+            }
+            let (i, h) = rh[l];
+            states[i].mx[h] = nm[l];
+            states[i].sum[h] = ns[l];
+            acc_at[l] = accs[i][h * hd..(h + 1) * hd].as_mut_ptr();
+        }
+        // acc += p · V over each lane's keys in order: up to 3 lanes with the same keys at once.
+        let mut l = 0;
+        while l < count {
+            if ka[l] > kb[l] {
+                l += 1;
+                continue;
+            }
+            let mut e = l + 1;
+            while e < count && e - l < 3 && ka[e] == ka[l] && kb[e] == kb[l] {
+                e += 1;
+            }
+            let keys = (ka[l] as usize, kb[l] as usize);
+            let (at, cr) = (&acc_at[l..e], &cr[l..e]);
+            match e - l {
+                1 => pv_lanes_avx2::<1>(at, cr, &p, l, keys, vt, hd),
+                2 => pv_lanes_avx2::<2>(at, cr, &p, l, keys, vt, hd),
+                _ => pv_lanes_avx2::<3>(at, cr, &p, l, keys, vt, hd),
+            }
+            l = e;
+        }
+    }
+}
+
+/// [`pv_lanes_avx512`] on AVX2: 32 outputs per lane at a time (4 registers each, so 3 lanes'
+/// accumulators, a V row's vector and the weight fit the 16 registers).
+///
+/// # Safety
+/// AVX2 and FMA; `acc[n]` points at `hd` floats that no other pointer of `acc` overlaps.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn pv_lanes_avx2<const N: usize>(
+    acc: &[*mut f32],
+    corr: &[f32],
+    p: &[[f32; 8]; LANES],
+    lane: usize,
+    keys: (usize, usize),
+    vt: &[f32],
+    hd: usize,
+) {
+    use std::arch::x86_64::*;
+    const CHUNK: usize = 32;
+    let (a, b) = keys;
+    let vt = &vt[..LANES * hd];
+    let mut d0 = 0;
+    while d0 < hd {
+        let w = CHUNK.min(hd - d0);
+        if w == CHUNK {
+            let mut r = [[_mm256_setzero_ps(); 4]; N];
+            for n in 0..N {
+                for x in 0..4 {
+                    r[n][x] = _mm256_loadu_ps(acc[n].add(d0 + 8 * x));
+                    if corr[n] != 1.0 {
+                        r[n][x] = _mm256_mul_ps(r[n][x], _mm256_set1_ps(corr[n]));
+                    }
+                }
+            }
+            for k in a..=b {
+                let row = vt.as_ptr().add(k * hd + d0);
+                for x in 0..4 {
+                    let vr = _mm256_loadu_ps(row.add(8 * x));
+                    for n in 0..N {
+                        let pn = _mm256_set1_ps(p[k][lane + n]);
+                        r[n][x] = _mm256_fmadd_ps(pn, vr, r[n][x]);
+                    }
+                }
+            }
+            for n in 0..N {
+                for x in 0..4 {
+                    _mm256_storeu_ps(acc[n].add(d0 + 8 * x), r[n][x]);
                 }
             }
         } else {
