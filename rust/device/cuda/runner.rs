@@ -830,6 +830,9 @@ impl CudaRunner {
     /// A decode step from its graph: `Some(rows)` when one was replayed, `None` when the step
     /// must run uncaptured (the plan is as built, unpadded, then).
     fn replay(&mut self, n: usize, kv: &mut BlockPool, out: &mut [f32]) -> Result<Option<usize>> {
+        if self.graphs.limits().max_graphs == 0 {
+            return Ok(None);
+        }
         let Some(padded) = self.graphs.padded(n) else {
             return Ok(None);
         };
