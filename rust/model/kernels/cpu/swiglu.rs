@@ -171,14 +171,10 @@ mod tests {
         assert_eq!(fast_exp(0.0), 1.0);
     }
 
-    /// The AVX-512 exp is the scalar one, bit for bit: attention's two paths rely on it.
+    /// Inputs for the vector exps' bit-for-bit tests: a wide range, tiny values and the edges,
+    /// padded to whole vectors of `lanes`.
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn fast_exp_avx512_equals_scalar() {
-        if !is_x86_feature_detected!("avx512f") {
-            eprintln!("skipped: no AVX-512 on this CPU");
-            return;
-        }
+    fn exp_inputs(lanes: usize) -> Vec<f32> {
         let mut rng = Rng(17);
         let mut xs: Vec<f32> = (0..100_000).map(|_| rng.next() * 200.0).collect();
         xs.extend((0..20_000).map(|_| rng.next() * 1e-3));
@@ -194,7 +190,19 @@ mod tests {
             1e-30,
             -1e-30,
         ]);
-        xs.resize(xs.len().div_ceil(16) * 16, 1.0);
+        xs.resize(xs.len().div_ceil(lanes) * lanes, 1.0);
+        xs
+    }
+
+    /// The AVX-512 exp is the scalar one, bit for bit: attention's two paths rely on it.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn fast_exp_avx512_equals_scalar() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let xs = exp_inputs(16);
         #[target_feature(enable = "avx512f")]
         unsafe fn lanes(x: &[f32], out: &mut [f32]) {
             use std::arch::x86_64::*;
@@ -210,28 +218,15 @@ mod tests {
         }
     }
 
+    /// The AVX2 exp is the scalar one, bit for bit: the AVX2 lanes path relies on it.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn fast_exp_avx2_equals_scalar() {
         if !is_x86_feature_detected!("avx2") {
             eprintln!("skipped: no AVX2 on this CPU");
             return;
         }
-        let mut rng = Rng(19);
-        let mut xs: Vec<f32> = (0..100_000).map(|_| rng.next() * 200.0).collect();
-        xs.extend((0..20_000).map(|_| rng.next() * 1e-3));
-        xs.extend([
-            0.0,
-            -0.0,
-            f32::NEG_INFINITY,
-            f32::INFINITY,
-            EXP_MIN,
-            EXP_MAX,
-            -87.3001,
-            88.70001,
-            1e-30,
-            -1e-30,
-        ]);
-        xs.resize(xs.len().div_ceil(8) * 8, 1.0);
+        let xs = exp_inputs(8);
         #[target_feature(enable = "avx2")]
         unsafe fn lanes(x: &[f32], out: &mut [f32]) {
             use std::arch::x86_64::*;
