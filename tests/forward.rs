@@ -591,3 +591,40 @@ fn greedy_decode_is_bitwise_independent_of_interleaving() {
         assert_bits_eq(&got_logits, &want_logits, &format!("{name}: greedy logits"));
     }
 }
+
+/// A chunk with no tokens that wants logits is refused (its "last" row would be its
+/// neighbour's); with no logits wanted it is an empty part of the step.
+#[test]
+fn a_chunk_with_no_tokens_cannot_want_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    TestModel::tiny("llama").write(dir.path()).unwrap();
+    let a = ids(5, 256, 1);
+    let mut r = runner(dir.path(), 512);
+    let ta = r.allocate(a.len()).unwrap();
+    let tb = r.allocate(1).unwrap();
+    let mut out = vec![0.0; 2 * 256];
+    let step = |r: &mut ModelRunner, logits: LogitsWanted, out: &mut [f32]| {
+        let batch = [
+            SeqChunk {
+                tokens: &a,
+                start_pos: 0,
+                block_table: &ta,
+                logits: LogitsWanted::Last,
+            },
+            SeqChunk {
+                tokens: &[],
+                start_pos: 0,
+                block_table: &tb,
+                logits,
+            },
+        ];
+        r.step(&batch, out)
+    };
+    match step(&mut r, LogitsWanted::Last, &mut out) {
+        Err(StrataError::Internal(m)) => {
+            assert_eq!(m, "a chunk with no tokens cannot want logits")
+        }
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    assert_eq!(step(&mut r, LogitsWanted::None, &mut out).unwrap(), 1);
+}

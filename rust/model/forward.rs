@@ -190,6 +190,12 @@ impl Model {
         ws.slots.clear();
         let mut logit_rows = 0;
         for s in batch {
+            // Its "last" row would be the previous chunk's.
+            if s.tokens.is_empty() && s.logits != LogitsWanted::None {
+                return Err(StrataError::Internal(
+                    "a chunk with no tokens cannot want logits".into(),
+                ));
+            }
             let end = s.start_pos + s.tokens.len();
             if end > self.rope.max_positions()
                 || end.div_ceil(kv.block_size()) > s.block_table.len()

@@ -93,6 +93,12 @@ impl HostPlan {
         }
         let mut row = 0u32;
         for s in batch {
+            // Its "last" row would be the previous chunk's.
+            if s.tokens.is_empty() && s.logits != LogitsWanted::None {
+                return Err(StrataError::Internal(
+                    "a chunk with no tokens cannot want logits".into(),
+                ));
+            }
             let end = s.start_pos + s.tokens.len();
             if end > max_positions || end.div_ceil(block_size) > s.block_table.len() {
                 return Err(StrataError::Internal(format!(
@@ -654,6 +660,9 @@ impl Attend<'_> {
 /// The engine's GPUs: one stage per device of the split, the graph cache, and the host buffers a
 /// step passes through.
 pub struct CudaRunner {
+    /// First, so that it drops first: the graphs reference the stages' kernels, buffers and
+    /// cuBLAS workspace (fields drop in declaration order).
+    graphs: GraphCache<CapturedStep>,
     stages: Vec<CudaStage>,
     config: ModelConfig,
     limits: StepLimits,
@@ -661,7 +670,6 @@ pub struct CudaRunner {
     plan: HostPlan,
     /// The hidden rows between two devices of a split.
     hand_off: Vec<f32>,
-    graphs: GraphCache<CapturedStep>,
     /// Held for their `Drop`: each device's K/V bytes.
     _kv: Vec<Reservation>,
 }
@@ -970,7 +978,9 @@ impl DecodeCapture<'_> {
 
 fn capture_error(e: impl std::fmt::Debug) -> CaptureError {
     let message = format!("{e:?}");
-    if message.contains("OUT_OF_MEMORY") {
+    // The driver's CUDA_ERROR_OUT_OF_MEMORY, or cuBLAS's CUBLAS_STATUS_ALLOC_FAILED from a
+    // product inside the capture: both are memory the cache can free by dropping graphs.
+    if message.contains("OUT_OF_MEMORY") || message.contains("ALLOC_FAILED") {
         CaptureError::OutOfMemory(message)
     } else {
         CaptureError::Other(message)
@@ -1052,5 +1062,30 @@ unsafe impl Send for CapturedStep {}
 impl CapturedStep {
     fn launch(&self) -> std::result::Result<(), DriverError> {
         self.graph.launch()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Out of memory from the driver or from cuBLAS inside a capture is memory the graph cache
+    /// can free; anything else is a failed capture.
+    #[test]
+    fn capture_errors_are_classified_by_cause() {
+        for oom in [
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "Shape(\"cublasGemmEx: CUBLAS_STATUS_ALLOC_FAILED\")",
+        ] {
+            assert!(
+                matches!(capture_error(oom), CaptureError::OutOfMemory(_)),
+                "{oom}"
+            );
+        }
+        let other = "DriverError(CUDA_ERROR_ILLEGAL_ADDRESS, \"an illegal memory access\")";
+        assert!(
+            matches!(capture_error(other), CaptureError::Other(_)),
+            "{other}"
+        );
     }
 }
