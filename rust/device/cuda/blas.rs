@@ -175,29 +175,57 @@ impl Blas {
         scratch: &mut Scratch,
         y: &mut CudaViewMut<f32>,
     ) -> Result<(), CudaKernelError> {
-        let (rows, cols) = (w.rows, w.cols);
-        if x.len() != n * cols || y.len() != n * rows {
-            return Err(CudaKernelError::Shape(format!(
-                "linear: x {} and y {} are not {n} rows of {cols} and {rows}",
-                x.len(),
-                y.len()
-            )));
+        self.linear_group(kernels, x, n, &mut [(w, y)], scratch)
+    }
+
+    /// `y_i = x · w_iᵀ` for each `(w_i, y_i)`: the products of one input (q/k/v, gate/up), as
+    /// [`Blas::linear`] each, with `x` rounded for half weights once for all of them (the
+    /// weights of a group share their dtype and `cols`).
+    pub fn linear_group(
+        &self,
+        kernels: &CudaKernels,
+        x: &CudaView<f32>,
+        n: usize,
+        products: &mut [(&DeviceMatrix, &mut CudaViewMut<f32>)],
+        scratch: &mut Scratch,
+    ) -> Result<(), CudaKernelError> {
+        let Some((first, _)) = products.first() else {
+            return Ok(());
+        };
+        let (dtype, cols) = (first.dtype, first.cols);
+        for (w, y) in products.iter() {
+            let rows = w.rows;
+            if w.dtype != dtype || w.cols != cols {
+                return Err(CudaKernelError::Shape(format!(
+                    "linear: a group's weights are [{rows}, {}] {}, not [_, {cols}] {}",
+                    w.cols,
+                    w.dtype.name(),
+                    dtype.name()
+                )));
+            }
+            if x.len() != n * cols || y.len() != n * rows {
+                return Err(CudaKernelError::Shape(format!(
+                    "linear: x {} and y {} are not {n} rows of {cols} and {rows}",
+                    x.len(),
+                    y.len()
+                )));
+            }
+            if w.data.len() != rows * cols * w.dtype.size() {
+                return Err(CudaKernelError::Shape(format!(
+                    "linear: the weights hold {} bytes, not [{rows}, {cols}] {}",
+                    w.data.len(),
+                    w.dtype.name()
+                )));
+            }
         }
-        if w.data.len() != rows * cols * w.dtype.size() {
-            return Err(CudaKernelError::Shape(format!(
-                "linear: the weights hold {} bytes, not [{rows}, {cols}] {}",
-                w.data.len(),
-                w.dtype.name()
-            )));
-        }
-        if n == 0 || rows == 0 {
+        if n == 0 {
             return Ok(());
         }
         let int = |what: &str, v: usize| {
             i32::try_from(v)
                 .map_err(|_| CudaKernelError::Shape(format!("linear: {what} = {v} exceeds i32")))
         };
-        let (m, nn, k) = (int("rows", rows)?, int("n", n)?, int("cols", cols)?);
+        let (nn, k) = (int("n", n)?, int("cols", cols)?);
         let stream = &self.stream;
         // cuBLAS runs in the calling thread's current context (the engine thread is not the one
         // that created the handle).
@@ -209,7 +237,7 @@ impl Blas {
                 source,
             })?;
         // Half weights: the activations rounded to their type first, into the scratch.
-        let b_type = match w.dtype {
+        let b_type = match dtype {
             DType::F32 => sys::cudaDataType::CUDA_R_32F,
             DType::Bf16 | DType::F16 => {
                 if scratch.half.len() < x.len() {
@@ -221,7 +249,7 @@ impl Blas {
                 }
                 let mut dst = scratch.half.slice_mut(..x.len());
                 let view = || CudaKernelError::Shape("linear: the scratch's typed view".into());
-                if w.dtype == DType::Bf16 {
+                if dtype == DType::Bf16 {
                     // SAFETY: bf16 and u16 have one size, and any bits are a bf16.
                     let mut typed =
                         unsafe { dst.transmute_mut::<bf16>(x.len()) }.ok_or_else(view)?;
@@ -236,56 +264,62 @@ impl Blas {
                 }
             }
         };
-        let a_type = match w.dtype {
+        let a_type = match dtype {
             DType::F32 => sys::cudaDataType::CUDA_R_32F,
             DType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
             DType::F16 => sys::cudaDataType::CUDA_R_16F,
         };
         // Event tracking is off on the engine's contexts (one compute stream orders everything),
         // so these pointers come with nothing to synchronize.
-        let (a_ptr, _a) = w.data.device_ptr(stream);
         let (x_ptr, _x) = x.device_ptr(stream);
         let (half_ptr, _h) = scratch.half.device_ptr(stream);
-        let b_ptr = if w.dtype == DType::F32 {
-            x_ptr
-        } else {
-            half_ptr
-        };
-        let (y_ptr, _y) = y.device_ptr_mut(stream);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let run = || {
-            // SAFETY: the pointers are live device buffers of the sizes checked above (A holds
-            // m * k, B n * k, C n * m elements); alpha and beta are host f32s, as the default
-            // pointer mode and the 32F compute type want; the handle is bound to `stream`.
-            unsafe {
-                blas::gemm_ex(
-                    self.handle,
-                    sys::cublasOperation_t::CUBLAS_OP_T,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
-                    m,
-                    nn,
-                    k,
-                    (&alpha as *const f32).cast(),
-                    a_ptr as *const c_void,
-                    a_type,
-                    k,
-                    b_ptr as *const c_void,
-                    b_type,
-                    k,
-                    (&beta as *const f32).cast(),
-                    y_ptr as *mut c_void,
-                    sys::cudaDataType::CUDA_R_32F,
-                    m,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
+        let b_ptr = if dtype == DType::F32 { x_ptr } else { half_ptr };
+        for (w, y) in products.iter_mut() {
+            if w.rows == 0 {
+                continue;
             }
-        };
-        match catch_unwind(AssertUnwindSafe(run)) {
-            Ok(result) => result.map_err(blas_error("cublasGemmEx")),
-            Err(_) => Err(CudaKernelError::Shape(
-                "cublasGemmEx: libcublas is incomplete (a call panicked)".into(),
-            )),
+            let m = int("rows", w.rows)?;
+            let (a_ptr, _a) = w.data.device_ptr(stream);
+            let (y_ptr, _y) = y.device_ptr_mut(stream);
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let run = || {
+                // SAFETY: the pointers are live device buffers of the sizes checked above (A
+                // holds m * k, B n * k, C n * m elements); alpha and beta are host f32s, as the
+                // default pointer mode and the 32F compute type want; the handle is bound to
+                // `stream`.
+                unsafe {
+                    blas::gemm_ex(
+                        self.handle,
+                        sys::cublasOperation_t::CUBLAS_OP_T,
+                        sys::cublasOperation_t::CUBLAS_OP_N,
+                        m,
+                        nn,
+                        k,
+                        (&alpha as *const f32).cast(),
+                        a_ptr as *const c_void,
+                        a_type,
+                        k,
+                        b_ptr as *const c_void,
+                        b_type,
+                        k,
+                        (&beta as *const f32).cast(),
+                        y_ptr as *mut c_void,
+                        sys::cudaDataType::CUDA_R_32F,
+                        m,
+                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+            };
+            match catch_unwind(AssertUnwindSafe(run)) {
+                Ok(result) => result.map_err(blas_error("cublasGemmEx"))?,
+                Err(_) => {
+                    return Err(CudaKernelError::Shape(
+                        "cublasGemmEx: libcublas is incomplete (a call panicked)".into(),
+                    ))
+                }
+            }
         }
+        Ok(())
     }
 }

@@ -996,6 +996,32 @@ fn cublas_products_match_the_cpu_linear() {
                     "{dtype:?} n {n} [{rows}, {cols}]: element {i}: GPU {g} vs CPU {e}"
                 );
             }
+            // A group of two products of one input (q/k/v share theirs) writes both outputs,
+            // each with the bits of the lone product.
+            let mut pair = [0, 1].map(|_| {
+                gpu.stream
+                    .alloc_zeros::<f32>(n * rows)
+                    .expect("an allocation")
+            });
+            let [a, b] = &mut pair;
+            blas.linear_group(
+                &gpu.kernels,
+                &dx.as_view(),
+                n,
+                &mut [(&w, &mut a.as_view_mut()), (&w, &mut b.as_view_mut())],
+                &mut scratch,
+            )
+            .expect("the products run");
+            for y in &pair {
+                let same = download(&gpu, y)
+                    .iter()
+                    .zip(&got)
+                    .all(|(p, g)| p.to_bits() == g.to_bits());
+                assert!(
+                    same,
+                    "{dtype:?} n {n}: a grouped product differs from the lone one"
+                );
+            }
         }
     }
 }

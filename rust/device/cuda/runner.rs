@@ -303,6 +303,13 @@ impl StepBuffers {
     }
 }
 
+/// A product of a group: its weights, optional bias and output.
+type BiasedProduct<'a, 'y> = (
+    &'a DeviceMatrix,
+    Option<&'a CudaSlice<f32>>,
+    &'a mut CudaViewMut<'y, f32>,
+);
+
 /// One device of the split: what it holds of the model and its step buffers.
 pub struct CudaStage {
     pub device: CudaDevice,
@@ -404,9 +411,29 @@ impl CudaStage {
         bias: Option<&CudaSlice<f32>>,
         y: &mut CudaViewMut<f32>,
     ) -> std::result::Result<(), CudaKernelError> {
-        device.blas.linear(&device.kernels, x, n, w, scratch, y)?;
-        if let Some(b) = bias {
-            device.kernels.add_bias(&device.stream, y, &b.as_view())?;
+        Self::linear_group(device, scratch, x, n, &mut [(w, bias, y)])
+    }
+
+    /// The products of one input, each with its optional bias (q/k/v, gate/up): the input is
+    /// rounded for half weights once (`Blas::linear_group`).
+    fn linear_group(
+        device: &CudaDevice,
+        scratch: &mut Scratch,
+        x: &CudaView<f32>,
+        n: usize,
+        products: &mut [BiasedProduct<'_, '_>],
+    ) -> std::result::Result<(), CudaKernelError> {
+        let mut gemms: Vec<(&DeviceMatrix, &mut CudaViewMut<f32>)> = products
+            .iter_mut()
+            .map(|(w, _, y)| (*w, &mut **y))
+            .collect();
+        device
+            .blas
+            .linear_group(&device.kernels, x, n, &mut gemms, scratch)?;
+        for (_, bias, y) in products.iter_mut() {
+            if let Some(b) = bias {
+                device.kernels.add_bias(&device.stream, y, &b.as_view())?;
+            }
         }
         Ok(())
     }
@@ -435,34 +462,28 @@ impl CudaStage {
                 eps,
                 &mut head_mut(&mut b.xn, n * hidden),
             )?;
-            let xn = head(&b.xn, n * hidden);
-            let sc = &mut b.scratch;
-            Self::linear(
+            Self::linear_group(
                 dev,
-                sc,
-                &xn,
+                &mut b.scratch,
+                &head(&b.xn, n * hidden),
                 n,
-                &l.q_proj,
-                l.q_bias.as_ref(),
-                &mut head_mut(&mut b.q, n * q_dim),
-            )?;
-            Self::linear(
-                dev,
-                sc,
-                &xn,
-                n,
-                &l.k_proj,
-                l.k_bias.as_ref(),
-                &mut head_mut(&mut b.k, n * kv_dim),
-            )?;
-            Self::linear(
-                dev,
-                sc,
-                &xn,
-                n,
-                &l.v_proj,
-                l.v_bias.as_ref(),
-                &mut head_mut(&mut b.v, n * kv_dim),
+                &mut [
+                    (
+                        &l.q_proj,
+                        l.q_bias.as_ref(),
+                        &mut head_mut(&mut b.q, n * q_dim),
+                    ),
+                    (
+                        &l.k_proj,
+                        l.k_bias.as_ref(),
+                        &mut head_mut(&mut b.k, n * kv_dim),
+                    ),
+                    (
+                        &l.v_proj,
+                        l.v_bias.as_ref(),
+                        &mut head_mut(&mut b.v, n * kv_dim),
+                    ),
+                ],
             )?;
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 k.rmsnorm_inplace(s, &mut head_mut(&mut b.q, n * q_dim), &qn.as_view(), eps)?;
@@ -525,25 +546,15 @@ impl CudaStage {
                 eps,
                 &mut head_mut(&mut b.xn, n * hidden),
             )?;
-            let xn = head(&b.xn, n * hidden);
-            let sc = &mut b.scratch;
-            Self::linear(
+            Self::linear_group(
                 dev,
-                sc,
-                &xn,
+                &mut b.scratch,
+                &head(&b.xn, n * hidden),
                 n,
-                &l.gate_proj,
-                None,
-                &mut head_mut(&mut b.gate, n * inter),
-            )?;
-            Self::linear(
-                dev,
-                sc,
-                &xn,
-                n,
-                &l.up_proj,
-                None,
-                &mut head_mut(&mut b.up, n * inter),
+                &mut [
+                    (&l.gate_proj, None, &mut head_mut(&mut b.gate, n * inter)),
+                    (&l.up_proj, None, &mut head_mut(&mut b.up, n * inter)),
+                ],
             )?;
             k.silu_mul(
                 s,
