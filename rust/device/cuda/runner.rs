@@ -1079,6 +1079,101 @@ impl CapturedStep {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::testing::TestModel;
+
+    fn tiny_config() -> ModelConfig {
+        let text = TestModel::tiny("llama").config_json().to_string();
+        ModelConfig::parse(std::path::Path::new("config.json"), &text).expect("a config")
+    }
+
+    /// The plan the GPU kernels read, worked by hand for a mixed step (block size 16): a decode
+    /// row, a 3-token prefill that wants every row, and a 2-token chunk that wants none.
+    #[test]
+    fn a_mixed_step_plans_the_rows_slots_and_picks_the_cpu_uses() {
+        let c = tiny_config();
+        let (a, b, d) = ([9u32], [1u32, 2, 3], [4u32, 5]);
+        let (ta, tb, td) = ([7u32, 2, 11], [4u32], [1u32, 6]);
+        let batch = [
+            SeqChunk {
+                tokens: &a,
+                start_pos: 40,
+                block_table: &ta,
+                logits: LogitsWanted::Last,
+            },
+            SeqChunk {
+                tokens: &b,
+                start_pos: 0,
+                block_table: &tb,
+                logits: LogitsWanted::All,
+            },
+            SeqChunk {
+                tokens: &d,
+                start_pos: 14,
+                block_table: &td,
+                logits: LogitsWanted::None,
+            },
+        ];
+        let mut plan = HostPlan::default();
+        assert_eq!(plan.build(&batch, &c, 16, 512, 64, 4 * 256).unwrap(), 6);
+        assert_eq!(plan.tokens, [9, 1, 2, 3, 4, 5]);
+        assert_eq!(plan.positions, [40, 0, 1, 2, 14, 15]);
+        // Block table entry pos / 16, times 16, plus pos % 16.
+        assert_eq!(plan.slots, [11 * 16 + 8, 64, 65, 66, 16 + 14, 16 + 15]);
+        assert_eq!(
+            plan.rows,
+            [40, 0, 3, 0, 3, 1, 1, 3, 1, 2, 3, 1, 14, 4, 2, 15, 4, 2]
+        );
+        assert_eq!(plan.tables, [7, 2, 11, 4, 1, 6]);
+        assert_eq!(plan.picked, [0, 1, 2, 3]);
+        // A second build starts afresh; padding to a graph's size adds rows that write no K/V.
+        let one = [SeqChunk {
+            tokens: &a,
+            start_pos: 40,
+            block_table: &ta,
+            logits: LogitsWanted::Last,
+        }];
+        assert_eq!(plan.build(&one, &c, 16, 512, 64, 256).unwrap(), 1);
+        plan.pad(1, 4);
+        assert_eq!(plan.tokens, [9, 0, 0, 0]);
+        assert_eq!(plan.slots, [184, SLOT_SKIP, SLOT_SKIP, SLOT_SKIP]);
+        assert_eq!(plan.rows, [40, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(plan.tables, [7, 2, 11]);
+        assert_eq!(plan.picked, [0, 1, 2, 3]);
+    }
+
+    /// What the plan refuses, as the CPU's `Model::plan` does.
+    #[test]
+    fn a_plan_refuses_what_the_cpu_refuses() {
+        let c = tiny_config();
+        let message = |batch: &[SeqChunk], out_len: usize| {
+            let err = HostPlan::default()
+                .build(batch, &c, 16, 512, 4, out_len)
+                .expect_err("refused");
+            err.to_string()
+        };
+        let chunk = |tokens: &'static [u32], start_pos: usize, table: &'static [u32]| SeqChunk {
+            tokens,
+            start_pos,
+            block_table: table,
+            logits: LogitsWanted::Last,
+        };
+        assert!(message(&[chunk(&[256], 0, &[0])], 256)
+            .contains("token_ids: token id 256 is outside the vocabulary (size 256)"));
+        assert!(message(&[chunk(&[1, 2], 15, &[0])], 256)
+            .contains("positions up to 17 exceed the RoPE table or the block table"));
+        assert!(message(&[chunk(&[1], 512, &[0; 40])], 256).contains("positions up to 513"));
+        assert!(message(&[chunk(&[1; 5], 0, &[0])], 5 * 256)
+            .contains("a step of 5 tokens (workspace holds 1..=4)"));
+        assert!(message(&[chunk(&[1], 0, &[0])], 255).contains("logits buffer too small"));
+        assert!(message(
+            &[SeqChunk {
+                logits: LogitsWanted::All,
+                ..chunk(&[], 0, &[0])
+            }],
+            256
+        )
+        .contains("a step of 0 tokens"));
+    }
 
     /// Out of memory from the driver or from cuBLAS inside a capture is memory the graph cache
     /// can free; anything else is a failed capture.
