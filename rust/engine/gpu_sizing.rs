@@ -80,7 +80,7 @@ pub fn kv_blocks(
     for (d, gpu) in gpus.iter().enumerate() {
         let capacity = gpu.memory.capacity().unwrap_or(0);
         let weights = model.stage_weight_bytes(ranges[d].clone(), d == 0, d == last) as u64;
-        let workspace = workspace_bytes(c, limits, d == last, max_context) as u64;
+        let workspace = workspace_bytes(c, limits, d == last, model.dtype, max_context) as u64;
         let taken = gpu
             .memory
             .total_in_use()

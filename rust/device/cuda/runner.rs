@@ -39,6 +39,7 @@ use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, DeviceKv, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{LogitsWanted, SeqChunk};
+use crate::model::weights::DType;
 use crate::model::Model;
 
 fn kernel(e: CudaKernelError) -> StrataError {
@@ -209,12 +210,13 @@ struct BufferSizes {
     floats: [usize; 10],
     /// tokens, positions, slots, rows, tables, picked index (u32).
     ids: [usize; 6],
-    /// The half-precision matmul input (u16).
+    /// The half-precision matmul input (u16): none for f32 weights, whose products read the
+    /// f32 rows.
     halves: usize,
 }
 
 impl BufferSizes {
-    fn new(c: &ModelConfig, limits: StepLimits, last: bool) -> BufferSizes {
+    fn new(c: &ModelConfig, limits: StepLimits, last: bool, weights: DType) -> BufferSizes {
         let t = limits.max_tokens;
         let logit_rows = if last { limits.logit_rows() } else { 0 };
         let widest = c.hidden_size.max(c.q_dim()).max(c.intermediate_size);
@@ -232,7 +234,7 @@ impl BufferSizes {
                 logit_rows * c.vocab_size,
             ],
             ids: [t, t, t, 3 * t, limits.table_capacity(), t],
-            halves: t * widest,
+            halves: if weights == DType::F32 { 0 } else { t * widest },
         }
     }
 
@@ -249,9 +251,10 @@ pub fn workspace_bytes(
     c: &ModelConfig,
     limits: StepLimits,
     last: bool,
+    weights: DType,
     max_positions: usize,
 ) -> usize {
-    BufferSizes::new(c, limits, last).bytes() + max_positions * c.head_dim * 4
+    BufferSizes::new(c, limits, last, weights).bytes() + max_positions * c.head_dim * 4
 }
 
 impl StepBuffers {
@@ -260,8 +263,9 @@ impl StepBuffers {
         c: &ModelConfig,
         limits: StepLimits,
         last: bool,
+        weights: DType,
     ) -> std::result::Result<StepBuffers, CudaKernelError> {
-        let sizes = BufferSizes::new(c, limits, last);
+        let sizes = BufferSizes::new(c, limits, last, weights);
         let floats = |i: usize| {
             let n = sizes.floats[i];
             stream
@@ -384,15 +388,15 @@ impl CudaStage {
         let len = table.rows * table.cols;
         // SAFETY (each arm): the buffer holds `len` elements of that dtype, as uploaded.
         match table.dtype {
-            crate::model::weights::DType::F32 => {
+            DType::F32 => {
                 let t = unsafe { table.data.transmute::<f32>(len) }.ok_or_else(view_error)?;
                 k.embedding(s, &t, vocab, &tokens, &mut x)
             }
-            crate::model::weights::DType::F16 => {
+            DType::F16 => {
                 let t = unsafe { table.data.transmute::<f16>(len) }.ok_or_else(view_error)?;
                 k.embedding(s, &t, vocab, &tokens, &mut x)
             }
-            crate::model::weights::DType::Bf16 => {
+            DType::Bf16 => {
                 let t =
                     unsafe { table.data.transmute::<half::bf16>(len) }.ok_or_else(view_error)?;
                 k.embedding(s, &t, vocab, &tokens, &mut x)
@@ -753,7 +757,7 @@ impl CudaRunner {
             )
             .map_err(|e| StrataError::invalid("kv_memory_mib", e))?;
             parts.push(Box::new(part));
-            let buffers = StepBuffers::new(&device.stream, c, opts.limits, is_last)
+            let buffers = StepBuffers::new(&device.stream, c, opts.limits, is_last, model.dtype)
                 .map_err(|e| StrataError::invalid("max_batch_tokens", e.to_string()))?;
             let workspace = device
                 .memory
@@ -1139,6 +1143,29 @@ mod tests {
         assert_eq!(plan.rows, [40, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(plan.tables, [7, 2, 11]);
         assert_eq!(plan.picked, [0, 1, 2, 3]);
+    }
+
+    /// Step buffers hold the half-precision copy of a product's input only for half weights,
+    /// and the engine's sizing counts what is allocated.
+    #[test]
+    fn only_half_weights_get_a_half_precision_scratch() {
+        let c = tiny_config();
+        let limits = StepLimits {
+            max_tokens: 32,
+            max_seqs: 4,
+            max_context: 256,
+            block_size: 16,
+        };
+        let f32_sizes = BufferSizes::new(&c, limits, true, DType::F32);
+        let bf16_sizes = BufferSizes::new(&c, limits, true, DType::Bf16);
+        assert_eq!(f32_sizes.halves, 0);
+        // The widest input: 32 rows of the intermediate size (128).
+        assert_eq!(bf16_sizes.halves, 32 * 128);
+        assert_eq!(bf16_sizes.bytes() - f32_sizes.bytes(), (32 * 128 - 1) * 2);
+        assert_eq!(
+            workspace_bytes(&c, limits, true, DType::F32, 512),
+            f32_sizes.bytes() + 512 * 16 * 4
+        );
     }
 
     /// What the plan refuses, as the CPU's `Model::plan` does.
