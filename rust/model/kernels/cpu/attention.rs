@@ -1077,6 +1077,128 @@ fn tile_step<const N: usize>(
     N
 }
 
+/// The scalar side of one vector of query lanes in a key tile, shared by the lanes paths
+/// ([`lanes_step_avx512`], [`lanes_step_avx2`]; `QL` lanes a vector): each lane's (row, head),
+/// the keys of the tile it sees, its running max and sum before the tile, and afterwards its new
+/// state and the runs of lanes that see the same keys.
+#[cfg(target_arch = "x86_64")]
+struct LaneTile<const QL: usize> {
+    count: usize,
+    /// Each lane's (row, head), counted up from the first: no division per lane.
+    rh: [(usize, usize); QL],
+    /// Each lane's visible keys in this tile, `ka..=kb` (none: ka > kb).
+    ka: [i32; QL],
+    kb: [i32; QL],
+    mx: [f32; QL],
+    sum: [f32; QL],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const QL: usize> LaneTile<QL> {
+    /// Lanes `base..base + count` of `parts.len() * group`, in the tile of keys from `t0`.
+    #[inline(always)]
+    fn new(
+        parts: &[(usize, usize)],
+        t0: usize,
+        group: usize,
+        base: usize,
+        count: usize,
+        states: &[State],
+    ) -> Self {
+        let mut lt = LaneTile {
+            count,
+            rh: [(0, 0); QL],
+            ka: [LANES as i32; QL],
+            kb: [0; QL],
+            mx: [f32::NEG_INFINITY; QL],
+            sum: [0.0; QL],
+        };
+        let (mut i, mut h) = (base / group, base % group);
+        for l in 0..count {
+            lt.rh[l] = (i, h);
+            let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
+            if a <= b {
+                (lt.ka[l], lt.kb[l]) = ((a - t0) as i32, (b - t0) as i32);
+            }
+            lt.mx[l] = states[i].mx[h];
+            lt.sum[l] = states[i].sum[h];
+            h += 1;
+            if h == group {
+                (i, h) = (i + 1, 0);
+            }
+        }
+        lt
+    }
+
+    #[inline(always)]
+    fn sees_keys(&self, l: usize) -> bool {
+        self.ka[l] <= self.kb[l]
+    }
+
+    /// Stores each lane's new max and sum (lanes with no key in the tile are left as they are)
+    /// and returns where each such lane's accumulator starts (null for the others).
+    #[inline(always)]
+    fn store_states(
+        &self,
+        new_max: &[f32; QL],
+        new_sum: &[f32; QL],
+        accs: &mut [&mut [f32]],
+        states: &mut [State],
+        hd: usize,
+    ) -> [*mut f32; QL] {
+        let mut acc_at = [std::ptr::null_mut::<f32>(); QL];
+        for l in (0..self.count).filter(|&l| self.sees_keys(l)) {
+            let (i, h) = self.rh[l];
+            states[i].mx[h] = new_max[l];
+            states[i].sum[h] = new_sum[l];
+            acc_at[l] = accs[i][h * hd..(h + 1) * hd].as_mut_ptr();
+        }
+        acc_at
+    }
+
+    /// The runs `l..e` of at most `max_run` consecutive lanes that see the same keys, in lane
+    /// order (lanes that see none are skipped). An iterator, not a callback: a closure would not
+    /// inherit its caller's target features, and the intrinsics in it would become calls.
+    #[inline(always)]
+    fn same_key_runs(&self, max_run: usize) -> SameKeyRuns<'_, QL> {
+        SameKeyRuns {
+            tile: self,
+            max_run,
+            l: 0,
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct SameKeyRuns<'a, const QL: usize> {
+    tile: &'a LaneTile<QL>,
+    max_run: usize,
+    l: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const QL: usize> Iterator for SameKeyRuns<'_, QL> {
+    type Item = (usize, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<(usize, usize)> {
+        let t = self.tile;
+        while self.l < t.count && !t.sees_keys(self.l) {
+            self.l += 1;
+        }
+        let l = self.l;
+        if l >= t.count {
+            return None;
+        }
+        let mut e = l + 1;
+        while e < t.count && e - l < self.max_run && t.ka[e] == t.ka[l] && t.kb[e] == t.kb[l] {
+            e += 1;
+        }
+        self.l = e;
+        Some((l, e))
+    }
+}
+
 /// One tile for every query lane of a row block (`qt`, transposed queries; lane = i * group +
 /// h for row `first + i`, head `h`), 16 lanes at a time, with the lanes in the vector lanes:
 /// the scores of one key for 16 queries are one vector, so the softmax needs no horizontal
@@ -1115,30 +1237,8 @@ unsafe fn lanes_step_avx512(
         let base = v * LANES;
         let count = (lanes - base).min(LANES);
         let q = qt[v * hd * LANES..(v + 1) * hd * LANES].as_ptr();
-        // Each lane's visible keys in this tile, `ka..=kb` (none: ka > kb).
-        let mut ka = [LANES as i32; LANES];
-        let mut kb = [0i32; LANES];
-        let mut mx = [f32::NEG_INFINITY; LANES];
-        let mut sum = [0f32; LANES];
-        // Each lane's (row, head), counted up from the first: no division per lane.
-        let mut rh = [(0usize, 0usize); LANES];
-        let (mut i, mut h) = (base / group, base % group);
-        for x in rh.iter_mut().take(count) {
-            *x = (i, h);
-            h += 1;
-            if h == group {
-                (i, h) = (i + 1, 0);
-            }
-        }
-        for l in 0..count {
-            let (i, h) = rh[l];
-            let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
-            if a <= b {
-                (ka[l], kb[l]) = ((a - t0) as i32, (b - t0) as i32);
-            }
-            mx[l] = states[i].mx[h];
-            sum[l] = states[i].sum[h];
-        }
+        let lt = LaneTile::<LANES>::new(parts, t0, group, base, count, states);
+        let (ka, kb) = (&lt.ka, &lt.kb);
         let (kav, kbv) = (
             _mm512_loadu_si512(ka.as_ptr().cast()),
             _mm512_loadu_si512(kb.as_ptr().cast()),
@@ -1186,7 +1286,7 @@ unsafe fn lanes_step_avx512(
             }
             n /= 2;
         }
-        let mxv = _mm512_loadu_ps(mx.as_ptr());
+        let mxv = _mm512_loadu_ps(lt.mx.as_ptr());
         // mx.max(tile_max): neither is NaN.
         let new_max = _mm512_max_ps(t[0], mxv);
         let e = fast_exp_avx512(_mm512_sub_ps(mxv, new_max));
@@ -1207,34 +1307,15 @@ unsafe fn lanes_step_avx512(
             }
             n /= 2;
         }
-        let new_sum = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(sum.as_ptr()), corr), pv[0]);
+        let new_sum = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(lt.sum.as_ptr()), corr), pv[0]);
         let (mut nm, mut ns, mut cr) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
         _mm512_storeu_ps(nm.as_mut_ptr(), new_max);
         _mm512_storeu_ps(ns.as_mut_ptr(), new_sum);
         _mm512_storeu_ps(cr.as_mut_ptr(), corr);
-        // Per lane: the state; lanes with no key in this tile are left as they are. The rescale
-        // of the accumulators by `cr` is done as `pv_lanes_avx512` loads them.
-        let mut acc_at = [std::ptr::null_mut::<f32>(); LANES];
-        for l in 0..count {
-            if ka[l] > kb[l] {
-                continue;
-            }
-            let (i, h) = rh[l];
-            states[i].mx[h] = nm[l];
-            states[i].sum[h] = ns[l];
-            acc_at[l] = accs[i][h * hd..(h + 1) * hd].as_mut_ptr();
-        }
+        // The rescale of the accumulators by `cr` is done as `pv_lanes_avx512` loads them.
+        let acc_at = lt.store_states(&nm, &ns, accs, states, hd);
         // acc += p · V over each lane's keys in order: up to 4 lanes with the same keys at once.
-        let mut l = 0;
-        while l < count {
-            if ka[l] > kb[l] {
-                l += 1;
-                continue;
-            }
-            let mut e = l + 1;
-            while e < count && e - l < 4 && ka[e] == ka[l] && kb[e] == kb[l] {
-                e += 1;
-            }
+        for (l, e) in lt.same_key_runs(4) {
             let keys = (ka[l] as usize, kb[l] as usize);
             let (at, cr) = (&acc_at[l..e], &cr[l..e]);
             match e - l {
@@ -1243,7 +1324,6 @@ unsafe fn lanes_step_avx512(
                 3 => pv_lanes_avx512::<3>(at, cr, &p, l, keys, vt, hd),
                 _ => pv_lanes_avx512::<4>(at, cr, &p, l, keys, vt, hd),
             }
-            l = e;
         }
     }
 }
@@ -1355,29 +1435,8 @@ unsafe fn lanes_step_avx2(
         let base = v * QL;
         let count = (lanes - base).min(QL);
         let q = qt[v * hd * QL..(v + 1) * hd * QL].as_ptr();
-        // Each lane's visible keys in this tile, `ka..=kb` (none: ka > kb).
-        let mut ka = [LANES as i32; QL];
-        let mut kb = [0i32; QL];
-        let mut mx = [f32::NEG_INFINITY; QL];
-        let mut sum = [0f32; QL];
-        let mut rh = [(0usize, 0usize); QL];
-        let (mut i, mut h) = (base / group, base % group);
-        for x in rh.iter_mut().take(count) {
-            *x = (i, h);
-            h += 1;
-            if h == group {
-                (i, h) = (i + 1, 0);
-            }
-        }
-        for l in 0..count {
-            let (i, h) = rh[l];
-            let (a, b) = (parts[i].0.max(t0), parts[i].1.min(t0 + LANES - 1));
-            if a <= b {
-                (ka[l], kb[l]) = ((a - t0) as i32, (b - t0) as i32);
-            }
-            mx[l] = states[i].mx[h];
-            sum[l] = states[i].sum[h];
-        }
+        let lt = LaneTile::<QL>::new(parts, t0, group, base, count, states);
+        let (ka, kb) = (&lt.ka, &lt.kb);
         let (kav, kbv) = (
             _mm256_loadu_si256(ka.as_ptr().cast()),
             _mm256_loadu_si256(kb.as_ptr().cast()),
@@ -1431,7 +1490,7 @@ unsafe fn lanes_step_avx2(
             }
             n /= 2;
         }
-        let mxv = _mm256_loadu_ps(mx.as_ptr());
+        let mxv = _mm256_loadu_ps(lt.mx.as_ptr());
         let new_max = _mm256_max_ps(t[0], mxv);
         let e = fast_exp_avx2(_mm256_sub_ps(mxv, new_max));
         let one = _mm256_set1_ps(1.0);
@@ -1451,32 +1510,14 @@ unsafe fn lanes_step_avx2(
             }
             n /= 2;
         }
-        let new_sum = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sum.as_ptr()), corr), pv[0]);
+        let new_sum = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(lt.sum.as_ptr()), corr), pv[0]);
         let (mut nm, mut ns, mut cr) = ([0f32; QL], [0f32; QL], [0f32; QL]);
         _mm256_storeu_ps(nm.as_mut_ptr(), new_max);
         _mm256_storeu_ps(ns.as_mut_ptr(), new_sum);
         _mm256_storeu_ps(cr.as_mut_ptr(), corr);
-        let mut acc_at = [std::ptr::null_mut::<f32>(); QL];
-        for l in 0..count {
-            if ka[l] > kb[l] {
-                continue;
-            }
-            let (i, h) = rh[l];
-            states[i].mx[h] = nm[l];
-            states[i].sum[h] = ns[l];
-            acc_at[l] = accs[i][h * hd..(h + 1) * hd].as_mut_ptr();
-        }
+        let acc_at = lt.store_states(&nm, &ns, accs, states, hd);
         // acc += p · V over each lane's keys in order: up to 3 lanes with the same keys at once.
-        let mut l = 0;
-        while l < count {
-            if ka[l] > kb[l] {
-                l += 1;
-                continue;
-            }
-            let mut e = l + 1;
-            while e < count && e - l < 3 && ka[e] == ka[l] && kb[e] == kb[l] {
-                e += 1;
-            }
+        for (l, e) in lt.same_key_runs(3) {
             let keys = (ka[l] as usize, kb[l] as usize);
             let (at, cr) = (&acc_at[l..e], &cr[l..e]);
             match e - l {
@@ -1484,7 +1525,6 @@ unsafe fn lanes_step_avx2(
                 2 => pv_lanes_avx2::<2>(at, cr, &p, l, keys, vt, hd),
                 _ => pv_lanes_avx2::<3>(at, cr, &p, l, keys, vt, hd),
             }
-            l = e;
         }
     }
 }
@@ -2043,7 +2083,9 @@ mod tests {
             };
             for window in [None, Some(1000)] {
                 for isa in isas() {
-                    for target in [(0usize, 2999usize), (2, 130), (3, 40)] {
+                    // (1, 640): a position at a tile's first key, so that in the last tile it
+                    // sees one key (a lanes path's edge).
+                    for target in [(0usize, 2999usize), (2, 130), (3, 40), (1, 640)] {
                         let tq = qrow(target.0, target.1);
                         let solo = |isa: Isa, split: Split| {
                             let mut out = vec![f32::NAN; tq.len()];
