@@ -151,6 +151,15 @@ impl HostPlan {
             self.picked.push(r as u32);
         }
     }
+
+    /// Undoes [`HostPlan::pad`]: the plan of the `n` rows as built.
+    fn unpad(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        self.positions.truncate(n);
+        self.slots.truncate(n);
+        self.rows.truncate(3 * n);
+        self.picked.truncate(n);
+    }
 }
 
 /// One device's step buffers, allocated at load for `max_tokens` rows.
@@ -878,11 +887,7 @@ impl CudaRunner {
         let graph = match self.graphs.get_or_capture(n, &mut capture) {
             StepGraph::Replay(g) => g,
             StepGraph::Uncaptured(_) => {
-                self.plan.tokens.truncate(n);
-                self.plan.positions.truncate(n);
-                self.plan.slots.truncate(n);
-                self.plan.rows.truncate(3 * n);
-                self.plan.picked.truncate(n);
+                self.plan.unpad(n);
                 return Ok(None);
             }
         };
@@ -1143,6 +1148,16 @@ mod tests {
         assert_eq!(plan.rows, [40, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
         assert_eq!(plan.tables, [7, 2, 11]);
         assert_eq!(plan.picked, [0, 1, 2, 3]);
+        // A step that gets no graph runs the plan as built.
+        plan.unpad(1);
+        assert_eq!(
+            (&plan.tokens[..], &plan.positions[..], &plan.slots[..]),
+            (&[9][..], &[40][..], &[184][..])
+        );
+        assert_eq!(
+            (&plan.rows[..], &plan.picked[..]),
+            (&[40, 0, 3][..], &[0][..])
+        );
     }
 
     /// Step buffers hold the half-precision copy of a product's input only for half weights,
