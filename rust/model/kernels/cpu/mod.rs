@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod embedding;
 pub mod matmul;
+pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
