@@ -575,9 +575,7 @@ const UFAKZEKA: &str =
     r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const MINICPM5: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const EXAONE_MOE: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+";
-/// deepseek-v3's: llama.cpp's `\p{S}` leaves out "~" (its table of ASCII symbols lacks it),
-/// hence the `&&[^~]`.
-const DEEPSEEK3: &str = r"[!\x22#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}&&[^~]]?[\p{L}\p{M}]+| ?[\p{P}\p{S}&&[^~]]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const DEEPSEEK3: &str = r"[!\x22#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// deepseek-llm's letters (llama.cpp lists them as ranges; here as code points, since several are
 /// characters a text normalisation would change).
 const DEEPSEEK_LETTERS: &str = concat!(
@@ -1139,6 +1137,158 @@ mod tests {
         assert_eq!(
             owned.error(),
             "tokenizer.ggml.tokens: the vocabulary is empty"
+        );
+    }
+
+    fn fixture(name: &str) -> serde_json::Value {
+        let path = format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).expect("read fixture");
+        serde_json::from_str(&text).expect("fixture JSON")
+    }
+
+    fn strings(v: &serde_json::Value) -> Vec<String> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|s| s.as_str().expect("string").to_string())
+            .collect()
+    }
+
+    fn numbers<T: TryFrom<i64>>(v: &serde_json::Value) -> Vec<T> {
+        v.as_array()
+            .expect("array")
+            .iter()
+            .map(|n| {
+                T::try_from(n.as_i64().expect("integer"))
+                    .ok()
+                    .expect("in range")
+            })
+            .collect()
+    }
+
+    /// Compares the ids of every corpus text with llama.cpp's; returns the mismatches.
+    fn compare(
+        tok: &GgufTokenizer,
+        corpus: &[String],
+        expected: &serde_json::Value,
+        label: &str,
+    ) -> Vec<String> {
+        let mut bad = Vec::new();
+        for (text, want) in corpus.iter().zip(expected.as_array().expect("ids")) {
+            let want: Vec<u32> = numbers(want);
+            let got = ids(tok, text, false);
+            if got != want {
+                bad.push(format!(
+                    "{label}: {text:?}\n  got  {got:?}\n  want {want:?}"
+                ));
+            }
+            // The text comes back, but for the "▁" a SentencePiece vocabulary with
+            // add_space_prefix puts after each special token (llama.cpp's decode keeps it too).
+            let added = tok.tokenizer.get_added_tokens_decoder();
+            let spaced = got.iter().any(|id| added.contains_key(id));
+            let back = decode(tok, &got, false);
+            if back != *text && !(spaced && label == "add_space_prefix") {
+                bad.push(format!("{label}: {text:?} decodes to {back:?}"));
+            }
+        }
+        bad
+    }
+
+    /// llama.cpp's ids, end-of-generation set and add_bos under every pre-tokenizer, for a
+    /// byte-level BPE vocabulary cut from SmolLM2's (tests/fixtures/smollm2_gguf_tokens.py).
+    #[test]
+    fn bpe_ids_equal_llama_cpp_under_every_pre_tokenizer() {
+        let fx = fixture("gguf_bpe_pre_tokenizers.json");
+        let corpus = strings(&fx["corpus"]);
+        let tokens = strings(&fx["tokens"]);
+        let types: Vec<i32> = numbers(&fx["token_types"]);
+        let merges = strings(&fx["merges"]);
+        let pres = fx["pre"].as_object().expect("pre");
+        assert!(pres.len() >= 26, "{} pre-tokenizers", pres.len());
+        let mut bad = Vec::new();
+        for (pre, want) in pres {
+            let v = GgufVocab {
+                model: "gpt2",
+                pre: Some(pre),
+                tokens: &tokens,
+                scores: None,
+                token_types: Some(&types),
+                merges: Some(&merges),
+                bos: Some(1),
+                eos: Some(2),
+                eot: None,
+                eom: None,
+                unk: None,
+                pad: None,
+                add_bos: None,
+                add_eos: None,
+                add_space_prefix: None,
+            };
+            let tok = build(&v).expect("build");
+            assert_eq!(tok.eog_ids, numbers::<u32>(&want["eog"]), "{pre}: eog");
+            assert_eq!(
+                Some(tok.add_bos),
+                want["add_bos"].as_bool(),
+                "{pre}: add_bos"
+            );
+            bad.extend(compare(&tok, &corpus, &want["ids"], pre));
+        }
+        assert!(
+            bad.is_empty(),
+            "{} mismatches:\n{}",
+            bad.len(),
+            bad.join("\n")
+        );
+    }
+
+    /// llama.cpp's ids for a SentencePiece vocabulary with scores, byte tokens and control
+    /// tokens, with and without add_space_prefix.
+    #[test]
+    fn spm_ids_equal_llama_cpp() {
+        let fx = fixture("gguf_spm_tokens.json");
+        let corpus = strings(&fx["corpus"]);
+        let tokens = strings(&fx["tokens"]);
+        let types: Vec<i32> = numbers(&fx["token_types"]);
+        let scores: Vec<f32> = fx["scores"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .map(|s| s.as_f64().expect("number") as f32)
+            .collect();
+        let mut bad = Vec::new();
+        for (key, space_prefix) in [("add_space_prefix", true), ("no_space_prefix", false)] {
+            let want = &fx[key];
+            let v = GgufVocab {
+                model: "llama",
+                pre: None,
+                tokens: &tokens,
+                scores: Some(&scores),
+                token_types: Some(&types),
+                merges: None,
+                bos: Some(1),
+                eos: Some(2),
+                eot: None,
+                eom: None,
+                unk: Some(0),
+                pad: None,
+                add_bos: None,
+                add_eos: None,
+                add_space_prefix: Some(space_prefix),
+            };
+            let tok = build(&v).expect("build");
+            assert_eq!(tok.eog_ids, numbers::<u32>(&want["eog"]), "{key}: eog");
+            assert_eq!(
+                Some(tok.add_bos),
+                want["add_bos"].as_bool(),
+                "{key}: add_bos"
+            );
+            bad.extend(compare(&tok, &corpus, &want["ids"], key));
+        }
+        assert!(
+            bad.is_empty(),
+            "{} mismatches:\n{}",
+            bad.len(),
+            bad.join("\n")
         );
     }
 }
