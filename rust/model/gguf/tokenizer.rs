@@ -82,6 +82,8 @@ pub struct GgufTokenizer {
     /// decodes.
     pub tokenizer: tokenizers::Tokenizer,
     pub bos: Option<u32>,
+    /// The eos id (a "llama" vocabulary without one has llama's </s>, 2).
+    pub eos: Option<u32>,
     /// The tokens that end generation, as llama.cpp's `llama_vocab_is_eog`, ascending.
     pub eog_ids: Vec<u32>,
     pub add_bos: bool,
@@ -292,6 +294,7 @@ pub fn build(v: &GgufVocab) -> Result<GgufTokenizer, String> {
     Ok(GgufTokenizer {
         tokenizer,
         bos,
+        eos,
         eog_ids: eog.into_iter().collect(),
         add_bos,
         add_eos,
