@@ -94,6 +94,24 @@ impl QuantType {
         }
     }
 
+    /// The lowercase name ("q4_k"), as options and `engine.info` spell it.
+    pub fn lower_name(self) -> &'static str {
+        match self {
+            QuantType::Q4_0 => "q4_0",
+            QuantType::Q4_1 => "q4_1",
+            QuantType::Q5_0 => "q5_0",
+            QuantType::Q5_1 => "q5_1",
+            QuantType::Q8_0 => "q8_0",
+            QuantType::Q2_K => "q2_k",
+            QuantType::Q3_K => "q3_k",
+            QuantType::Q4_K => "q4_k",
+            QuantType::Q5_K => "q5_k",
+            QuantType::Q6_K => "q6_k",
+            QuantType::IQ4_NL => "iq4_nl",
+            QuantType::IQ4_XS => "iq4_xs",
+        }
+    }
+
     /// By GGUF name, case-insensitive ("q4_k", "Q8_0").
     pub fn from_name(name: &str) -> Option<QuantType> {
         QuantType::ALL
