@@ -42,6 +42,19 @@ impl ChatTemplate {
         load_chat_template(dir, cfg_path, cfg)
     }
 
+    /// A template given as text (a GGUF file's `tokenizer.chat_template`); `field` and `origin`
+    /// name it in a syntax error.
+    pub fn from_source(source: Option<&str>, origin: &Path, field: &str) -> Result<Self> {
+        let Some(source) = source else {
+            return Ok(ChatTemplate::Missing(
+                "the model has no chat template".to_string(),
+            ));
+        };
+        let env = build_environment(source.to_string())
+            .map_err(|e| StrataError::model_load(origin, format!("{field}: {e}")))?;
+        Ok(ChatTemplate::Compiled(Box::new(env)))
+    }
+
     pub fn is_available(&self) -> bool {
         matches!(self, ChatTemplate::Compiled(_))
     }

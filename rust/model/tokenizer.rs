@@ -12,6 +12,7 @@ use std::str::FromStr;
 use serde_json::Value as Json;
 
 use super::chat_template::ChatTemplate;
+use super::gguf::tokenizer::{self as gguf_tokenizer, GgufVocab};
 use crate::error::{Result, StrataError};
 
 /// The special-token fields of tokenizer_config.json that transformers passes to the
@@ -121,6 +122,42 @@ impl Tokenizer {
             vocab_size,
             eos_token_ids,
             bos_token_id,
+            special_tokens,
+            chat,
+        })
+    }
+
+    /// The tokenizer a GGUF file's `tokenizer.ggml.*` metadata describes, and its
+    /// `tokenizer.chat_template`. The eos ids are llama.cpp's end-of-generation set;
+    /// `encode(.., true)` adds bos (and eos) as llama.cpp does for the file's add_bos_token
+    /// (add_eos_token). Errors name `path` and the metadata key.
+    pub fn from_gguf(
+        vocab: &GgufVocab,
+        chat_template: Option<&str>,
+        path: &Path,
+    ) -> Result<Tokenizer> {
+        let built = gguf_tokenizer::build(vocab).map_err(|e| StrataError::model_load(path, e))?;
+        let inner = built.tokenizer;
+        probe(path, &inner)?;
+        let text = |id: Option<u32>| id.and_then(|id| inner.id_to_token(id));
+        let mut special_tokens = BTreeMap::new();
+        for (field, id) in [
+            ("bos_token", built.bos),
+            ("eos_token", built.eos),
+            ("unk_token", vocab.unk),
+            ("pad_token", vocab.pad),
+        ] {
+            if let Some(token) = text(id) {
+                special_tokens.insert(field.to_string(), token);
+            }
+        }
+        let chat = ChatTemplate::from_source(chat_template, path, "tokenizer.chat_template")?;
+        let vocab_size = inner.get_vocab_size(true);
+        Ok(Tokenizer {
+            inner,
+            vocab_size,
+            eos_token_ids: built.eog_ids,
+            bos_token_id: built.bos,
             special_tokens,
             chat,
         })
@@ -911,6 +948,96 @@ mod tests {
             render(&tok, messages, None).expect("render"),
             r#"{"role": "user", "content": "x", "arguments": {"z": 1, "a": 2}}"#,
             "enable the preserve_order features of serde_json and minijinja"
+        );
+    }
+
+    /// A byte-level GGUF vocabulary: the 256 byte characters, then ChatML's tokens.
+    fn gguf_tokens() -> Vec<String> {
+        let mut tokens: Vec<String> = byte_chars().iter().map(|c| c.to_string()).collect();
+        for t in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] {
+            tokens.push(t.to_string());
+        }
+        tokens
+    }
+
+    fn gguf_vocab<'a>(tokens: &'a [String], types: &'a [i32], pre: &'a str) -> GgufVocab<'a> {
+        GgufVocab {
+            model: "gpt2",
+            pre: Some(pre),
+            tokens,
+            scores: None,
+            token_types: Some(types),
+            merges: Some(&[]),
+            bos: Some(256),
+            eos: Some(258),
+            eot: None,
+            eom: None,
+            unk: None,
+            pad: Some(256),
+            add_bos: None,
+            add_eos: None,
+            add_space_prefix: None,
+        }
+    }
+
+    #[test]
+    fn from_gguf_is_the_same_wrapper() {
+        let tokens = gguf_tokens();
+        let mut types = vec![1; tokens.len()];
+        types[256..].fill(3);
+        let path = Path::new("/models/x.gguf");
+        let template = "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}";
+        let tok = Tokenizer::from_gguf(
+            &gguf_vocab(&tokens, &types, "llama-bpe"),
+            Some(template),
+            path,
+        )
+        .expect("from_gguf");
+        // llama-bpe adds bos; <|im_end|> is eos and <|endoftext|> ends generation too.
+        assert_eq!(tok.bos_token_id(), Some(256));
+        assert_eq!(tok.eos_token_ids(), &[256, 258]);
+        assert_eq!(tok.vocab_size(), 259);
+        let ids = tok.encode("<|im_start|>hi", true).expect("encode");
+        assert_eq!(ids, vec![256, 257, 104, 105]);
+        assert_eq!(tok.encode("hi", false).expect("encode"), vec![104, 105]);
+        assert_eq!(tok.decode(&ids, true).expect("decode"), "hi");
+        assert_eq!(
+            tok.decode(&ids, false).expect("decode"),
+            "<|endoftext|><|im_start|>hi"
+        );
+        let messages = json!([{"role": "user", "content": "x"}]);
+        assert_eq!(
+            render(&tok, messages, None).expect("render"),
+            "<|endoftext|><|im_start|>x<|im_end|>"
+        );
+        // gpt-2's pre-tokenizer does not add bos; no template.
+        let tok = Tokenizer::from_gguf(&gguf_vocab(&tokens, &types, "gpt-2"), None, path)
+            .expect("from_gguf");
+        assert_eq!(tok.encode("hi", true).expect("encode"), vec![104, 105]);
+        assert!(!tok.has_chat_template());
+    }
+
+    #[test]
+    fn from_gguf_errors_name_file_and_key() {
+        let tokens = gguf_tokens();
+        let types = vec![1; tokens.len()];
+        let path = Path::new("/models/x.gguf");
+        let err = Tokenizer::from_gguf(&gguf_vocab(&tokens, &types, "foo"), None, path)
+            .expect_err("unknown pre");
+        assert!(matches!(err, StrataError::ModelLoad { .. }));
+        assert_eq!(
+            err.to_string(),
+            "/models/x.gguf: tokenizer.ggml.pre: unknown pre-tokenizer \"foo\""
+        );
+        let err = Tokenizer::from_gguf(
+            &gguf_vocab(&tokens, &types, "gpt-2"),
+            Some("{% for m in messages %}"),
+            path,
+        )
+        .expect_err("bad template");
+        assert_eq!(
+            err.to_string(),
+            "/models/x.gguf: tokenizer.chat_template: syntax error: unexpected end of input, expected end of block (in chat_template:1)"
         );
     }
 
