@@ -47,7 +47,7 @@ fn bench_linear(c: &mut Criterion) {
         let w: Vec<bf16> = values(m * k, 1).into_iter().map(bf16::from_f32).collect();
         let x = values(n * k, 2);
         let mut y = vec![0.0f32; n * m];
-        let mut scratch = MatmulScratch::new(threads, k);
+        let mut scratch = MatmulScratch::new(threads, k, 512);
         let mat = MatRef {
             data: WeightData::Bf16(&w),
             rows: m,

@@ -7,6 +7,7 @@ use strata_rs::engine::runner::ModelRunner;
 use strata_rs::error::StrataError;
 use strata_rs::kv::blocks::KvDtype;
 use strata_rs::model::forward::{LogitsWanted, SeqChunk};
+use strata_rs::model::kernels::cpu::quant::QuantType;
 use strata_rs::model::testing::{write_safetensors, TestModel};
 use strata_rs::model::weights::DType;
 use strata_rs::model::Model;
@@ -357,6 +358,30 @@ fn sharded_weights_load_like_one_file() {
     assert_eq!(got, want, "shards must give bit-identical logits");
 }
 
+#[test]
+fn gguf_files_compute_what_the_folder_computes() {
+    // The same f32 weights as a Hugging Face folder and as a GGUF file (GGUF names, llama q/k
+    // rows in adjacent-pair order): the same logits, to f32 rounding (a llama head's dot
+    // products sum its dimensions in another order).
+    for family in ["llama", "mistral", "qwen2", "qwen3"] {
+        let folder = tempfile::tempdir().unwrap();
+        let m = TestModel::tiny(family);
+        m.write(folder.path()).unwrap();
+        let file = tempfile::tempdir().unwrap();
+        let path = file.path().join("model.gguf");
+        m.write_gguf(&path, DType::F32).unwrap();
+        let tokens = ids(60, 256, 4);
+        let want = runner(folder.path(), 512).all_logits(&tokens).unwrap();
+        // The file itself, and the folder holding it.
+        for source in [path.as_path(), file.path()] {
+            let got = runner(source, 16).all_logits(&tokens).unwrap();
+            let d = max_abs_diff(&want, &got);
+            let tol = 1e-4 * range(&want);
+            assert!(d <= tol, "{family}: max diff {d} > {tol}");
+        }
+    }
+}
+
 // ---- Batch invariance: every row's logits are bitwise independent of the step it ran in. ----
 
 /// The tiny model of `family` in `dtype` (mistral with a 50-key sliding window, so that windows
@@ -364,6 +389,14 @@ fn sharded_weights_load_like_one_file() {
 fn invariance_model(family: &'static str, dtype: DType) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut m = TestModel::tiny(family);
+    if let DType::Quant(q) = dtype {
+        // A GGUF file; rows of 256 for the K-quants' blocks.
+        if q.block_elems() > 32 {
+            (m.hidden, m.intermediate, m.head_dim) = (256, 512, 64);
+        }
+        m.write_gguf(&dir.path().join("model.gguf"), dtype).unwrap();
+        return dir;
+    }
     m.dtype = dtype;
     m.write(dir.path()).unwrap();
     if family == "mistral" {
@@ -377,7 +410,7 @@ fn invariance_model(family: &'static str, dtype: DType) -> tempfile::TempDir {
 }
 
 /// Every invariance model: four families in f32, llama also in bf16 and f16 (f16 K/V), mistral
-/// (sliding window) also in bf16.
+/// (sliding window) also in bf16, and GGUF files of four block formats.
 fn invariance_models() -> Vec<(String, tempfile::TempDir)> {
     let mut v = Vec::new();
     for (family, dtype) in [
@@ -388,6 +421,10 @@ fn invariance_models() -> Vec<(String, tempfile::TempDir)> {
         ("llama", DType::Bf16),
         ("llama", DType::F16),
         ("mistral", DType::Bf16),
+        ("llama", DType::Quant(QuantType::Q8_0)),
+        ("qwen2", DType::Quant(QuantType::Q4_1)),
+        ("llama", DType::Quant(QuantType::Q4_K)),
+        ("qwen3", DType::Quant(QuantType::Q6_K)),
     ] {
         v.push((
             format!("{family} {dtype:?}"),

@@ -1,4 +1,5 @@
-"""Independent NumPy reference forward pass for Llama-family HF model folders.
+"""Independent NumPy reference forward pass for Llama-family HF model folders
+and GGUF files (read and dequantized by the `gguf` package).
 
 Written from the Hugging Face transformers semantics (LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not from strata-rs
@@ -185,13 +186,114 @@ def _attention_mask(n: int, window: int | None) -> np.ndarray:
 
 
 def reference_logits(model_dir: Path | str, token_ids: list[int]) -> np.ndarray:
-    """HF-semantics forward over the whole sequence; float64 [n, vocab]."""
+    """HF-semantics forward over the whole sequence; float64 [n, vocab]. A `.gguf`
+    path runs the same forward over the file's tensors, dequantized."""
     model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf":
+        config, raw, freqs = load_gguf(model_dir)
+        return forward(config, raw, token_ids, freqs)
     config = json.loads((model_dir / "config.json").read_text())
+    raw = load_weights(model_dir)
+    return forward(config, raw, token_ids, None)
+
+
+# GGUF architecture -> HF model_type.
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF tensor names -> HF names (after blk.N. / model.layers.N.).
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _from_adjacent_pairs(w: np.ndarray, head_dim: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation: each head's rows (0, d/2, 1, d/2+1, ...)
+    back to HF's rotate-half order."""
+    rows, cols = w.shape
+    heads = w.reshape(rows // head_dim, head_dim // 2, 2, cols)
+    return heads.transpose(0, 2, 1, 3).reshape(rows, cols)
+
+
+def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.ndarray | None]:
+    """(HF-style config, HF-named float32 tensors, RoPE frequencies or None) of a GGUF
+    file, every tensor dequantized by `gguf.quants.dequantize`."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise NotImplementedError(f"GGUF architecture {arch!r}")
+    head_count = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    head_dim = int(field(f"{arch}.attention.key_length", hidden // head_count))
+    raw: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = [int(d) for d in reversed(t.shape)]
+        data = np.asarray(data, dtype=np.float32).reshape(shape)
+        name = t.name
+        if name in _GGUF_TOP:
+            name = _GGUF_TOP[name]
+        elif name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            base, suffix = rest.rsplit(".", 1)
+            name = f"model.layers.{layer}.{_GGUF_LAYER[base]}.{suffix}"
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _from_adjacent_pairs(data, head_dim)
+        raw[name] = data
+    config: dict[str, Any] = {
+        "model_type": _GGUF_ARCH[arch],
+        "hidden_size": hidden,
+        "num_attention_heads": head_count,
+        "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv", head_count)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "tie_word_embeddings": "lm_head.weight" not in raw,
+    }
+    if field(f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(field(f"{arch}.rope.scaling.factor")),
+        }
+    freqs = None
+    factors = raw.pop("rope_freqs.weight", None)
+    if factors is not None:
+        base = inv_freq(config, head_dim)
+        freqs = base / factors.astype(np.float64)
+    return config, raw, freqs
+
+
+def forward(
+    config: Mapping[str, Any],
+    raw: Mapping[str, np.ndarray],
+    token_ids: list[int],
+    freqs: np.ndarray | None,
+) -> np.ndarray:
+    """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE."""
     family = config["model_type"]
     if family not in ("llama", "mistral", "qwen2", "qwen3"):
         raise NotImplementedError(f"model_type {family!r}")
-    raw = load_weights(model_dir)
 
     def w(name: str) -> np.ndarray:
         return raw[name].astype(np.float64)
@@ -205,7 +307,8 @@ def reference_logits(model_dir: Path | str, token_ids: list[int]) -> np.ndarray:
     head_dim = int(config.get("head_dim") or hidden // n_heads)
     eps = float(config["rms_norm_eps"])
     group = n_heads // n_kv
-    freqs = inv_freq(config, head_dim)
+    if freqs is None:
+        freqs = inv_freq(config, head_dim)
 
     ids = np.asarray(token_ids, dtype=np.int64)
     n = len(ids)

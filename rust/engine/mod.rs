@@ -23,7 +23,7 @@ use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
-use crate::model::Model;
+use crate::model::{Model, ModelSource};
 use core::EngineCore;
 #[cfg(feature = "cuda")]
 use gpu_sizing::open_gpus;
@@ -98,7 +98,10 @@ impl Default for EngineOptions {
 /// What a loaded engine is: shown by `info` and used to validate requests before they queue.
 #[derive(Clone, Debug)]
 pub struct EngineInfo {
+    /// The model folder, or the (first) GGUF file.
     pub model_dir: PathBuf,
+    /// "hf" or "gguf".
+    pub format: &'static str,
     pub config: ModelConfig,
     pub dtype: &'static str,
     /// Format of the K/V cache ("f32" or "f16").
@@ -289,23 +292,21 @@ impl Engine {
             Some(t) => t,
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
         };
-        if !dir.is_dir() {
-            return Err(StrataError::model_load(dir, "not a directory"));
-        }
-        let config = ModelConfig::load(dir)?;
+        let source = ModelSource::locate(dir)?;
+        // The RoPE table is sized below, once the pool has bounded the context: a context taken
+        // from the config (or max_context) can be far larger than memory.
+        let mut model = Model::load_source(&source, 0)?;
+        let config = model.config.clone();
         let layer_split = match &opts.layer_split {
             Some(spec) => split::parse_layer_split(spec, &devices, config.num_layers)?,
             None => split::default_layer_split(&devices, &capacities, config.num_layers)?,
         };
-        let tokenizer = Tokenizer::load(dir)?;
+        let tokenizer = Tokenizer::load(source.path())?;
         let max_context = match opts.max_context {
             Some(0) => return Err(StrataError::invalid("max_context", "must be at least 1")),
             Some(n) => n,
             None => config.max_position_embeddings,
         };
-        // The RoPE table is sized below, once the pool has bounded the context: a context taken
-        // from config.json (or max_context) can be far larger than memory.
-        let mut model = Model::load(dir, 0)?;
         // f32 weights keep exact f32 K/V; f16/bf16 weights get f16 K/V (llama.cpp's default),
         // which halves the bytes attention reads per token.
         let kv_dtype = KvDtype::for_weights(model.dtype);
@@ -366,7 +367,7 @@ impl Engine {
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);
-        let salt = fingerprint(dir, &config, kv_dtype, BLOCK_SIZE);
+        let salt = fingerprint(&source, &config, kv_dtype, BLOCK_SIZE);
         let layout = BlockLayout {
             salt,
             kv_dtype: kv_dtype.size() as u8,
@@ -445,7 +446,8 @@ impl Engine {
             )?,
         };
         let info = EngineInfo {
-            model_dir: dir.to_path_buf(),
+            model_dir: source.path().to_path_buf(),
+            format: source.format(),
             dtype,
             decode_weight_bytes,
             kv_dtype: kv_dtype.name(),
@@ -781,7 +783,12 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 /// header and a sample of its bytes), the K/V format, layout and block size, so that cached K/V
 /// never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
 /// over each file) tells a retrained model from the one it replaced without reading every weight.
-fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: usize) -> u64 {
+fn fingerprint(
+    source: &ModelSource,
+    config: &ModelConfig,
+    kv_dtype: KvDtype,
+    block_size: usize,
+) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
     let mut parts: Vec<u64> = vec![
         block_size as u64,
@@ -789,20 +796,15 @@ fn fingerprint(dir: &Path, config: &ModelConfig, kv_dtype: KvDtype, block_size: 
         crate::kv::blocks::KV_LAYOUT_VERSION,
     ];
     parts.push(config.vocab_size as u64);
-    if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
-        parts.push(xxh3_64(&bytes));
-    }
-    if let Ok(entries) = std::fs::read_dir(dir) {
-        let mut files: Vec<(String, PathBuf)> = entries
-            .flatten()
-            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
-            .filter(|(name, _)| name.ends_with(".safetensors"))
-            .collect();
-        files.sort();
-        for (name, path) in files {
-            parts.push(xxh3_64(name.as_bytes()));
-            parts.push(sample_file(&path));
+    if let ModelSource::Folder(dir) = source {
+        if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
+            parts.push(xxh3_64(&bytes));
         }
+    }
+    for path in source.weight_files() {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        parts.push(xxh3_64(name.unwrap_or_default().as_bytes()));
+        parts.push(sample_file(&path));
     }
     let words: Vec<u32> = parts
         .iter()

@@ -33,7 +33,7 @@ impl KvDtype {
     pub fn for_weights(d: DType) -> KvDtype {
         match d {
             DType::F32 => KvDtype::F32,
-            DType::F16 | DType::Bf16 => KvDtype::F16,
+            DType::F16 | DType::Bf16 | DType::Quant(_) => KvDtype::F16,
         }
     }
 

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Result, StrataError};
-use crate::model::kernels::cpu::rope::RopeScaling;
+use crate::model::kernels::cpu::rope::{RopePairing, RopeScaling};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -39,6 +39,8 @@ pub struct ModelConfig {
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
+    /// Which dimensions of q and k rotate together (GGUF llama files store adjacent pairs).
+    pub rope_pairing: RopePairing,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry biases (always for qwen2; `attention_bias` for llama/mistral).
@@ -292,6 +294,7 @@ impl ModelConfig {
             rms_norm_eps: eps as f32,
             rope_theta,
             rope_scaling,
+            rope_pairing: RopePairing::Half,
             max_position_embeddings: match f.usize_opt("max_position_embeddings")? {
                 Some(0) => return Err(f.err("max_position_embeddings", "must be > 0")),
                 Some(n) => n,

@@ -74,6 +74,7 @@ impl Workspace {
             matmul: MatmulScratch::new(
                 threads,
                 c.hidden_size.max(c.q_dim()).max(c.intermediate_size),
+                t,
             ),
             attention: AttnScratch::new(t, c.num_heads, c.head_dim, threads),
         }

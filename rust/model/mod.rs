@@ -9,7 +9,7 @@ pub mod testing;
 pub mod tokenizer;
 pub mod weights;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Result, StrataError};
 use config::ModelConfig;
@@ -57,17 +57,237 @@ pub struct Model {
     /// The embedding matrix itself when the model ties them.
     pub lm_head: Tensor,
     pub rope: RopeTable,
-    /// dtype of the weight matrices (all matrices of one model share it).
+    /// dtype of the weight matrices: the one of all of them (a Hugging Face folder), or the one
+    /// holding the most bytes (a GGUF file may mix block formats).
     pub dtype: DType,
     /// Bytes of weight matrices read by one decode step (every matrix once, the embedding row aside).
     pub decode_weight_bytes: usize,
 }
 
+/// Where a model's files are: a Hugging Face folder (config.json, safetensors, tokenizer.json)
+/// or a GGUF file (the first of its split set).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelSource {
+    Folder(PathBuf),
+    Gguf(PathBuf),
+}
+
+impl ModelSource {
+    /// What `path` names: a `.gguf` file; a folder with config.json; or a folder holding one
+    /// GGUF model (one file, or one split set).
+    pub fn locate(path: &Path) -> Result<ModelSource> {
+        if path.is_file() {
+            return Ok(ModelSource::Gguf(path.to_path_buf()));
+        }
+        if !path.is_dir() {
+            return Err(StrataError::model_load(path, "not found"));
+        }
+        if path.join("config.json").is_file() {
+            return Ok(ModelSource::Folder(path.to_path_buf()));
+        }
+        let entries = std::fs::read_dir(path)
+            .map_err(|e| StrataError::model_load(path, format!("cannot list: {e}")))?;
+        let mut ggufs: Vec<PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+            .filter(|p| !gguf::is_later_split_file(p))
+            .collect();
+        ggufs.sort();
+        match ggufs.len() {
+            1 => Ok(ModelSource::Gguf(ggufs.remove(0))),
+            0 => Err(StrataError::model_load(
+                path,
+                "not a model folder: no config.json and no .gguf file",
+            )),
+            n => Err(StrataError::model_load(
+                path,
+                format!(
+                    "several GGUF models ({n}): name the file to load, e.g. {}",
+                    ggufs[0].display()
+                ),
+            )),
+        }
+    }
+
+    /// The folder, or the (first) GGUF file.
+    pub fn path(&self) -> &Path {
+        match self {
+            ModelSource::Folder(p) | ModelSource::Gguf(p) => p,
+        }
+    }
+
+    /// The files holding the weights: the folder's safetensors, or the GGUF file and the rest of
+    /// its split set, sorted (for the cache's fingerprint of the model).
+    pub fn weight_files(&self) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = match self {
+            ModelSource::Folder(dir) => std::fs::read_dir(dir)
+                .map(|entries| {
+                    entries
+                        .flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            ModelSource::Gguf(path) => gguf::split_set(path),
+        };
+        files.sort();
+        files
+    }
+
+    /// "hf" or "gguf" (`engine.info["format"]`).
+    pub fn format(&self) -> &'static str {
+        match self {
+            ModelSource::Folder(_) => "hf",
+            ModelSource::Gguf(_) => "gguf",
+        }
+    }
+}
+
+/// The tensors of a model, whichever file format holds them.
+trait TensorFiles {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    fn ignore(&self, name: &str);
+    fn check_all_used(&self) -> Result<()>;
+}
+
+impl TensorFiles for SafetensorsFiles {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        SafetensorsFiles::get(self, name, shape)
+    }
+    fn ignore(&self, name: &str) {
+        SafetensorsFiles::ignore(self, name)
+    }
+    fn check_all_used(&self) -> Result<()> {
+        SafetensorsFiles::check_all_used(self)
+    }
+}
+
+impl TensorFiles for gguf::GgufModel {
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        gguf::GgufModel::get(self, name, shape)
+    }
+    fn ignore(&self, name: &str) {
+        gguf::GgufModel::ignore(self, name)
+    }
+    fn check_all_used(&self) -> Result<()> {
+        gguf::GgufModel::check_all_used(self)
+    }
+}
+
+/// Tensor names: Hugging Face's, or the GGUF ones llama.cpp's converter writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Names {
+    Hf,
+    Gguf,
+}
+
+/// A layer's tensors: the Hugging Face name after `model.layers.N.`, the GGUF one after `blk.N.`.
+const LAYER_NAMES: [(&str, &str); 15] = [
+    ("input_layernorm.weight", "attn_norm.weight"),
+    ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("self_attn.o_proj.bias", "attn_output.bias"),
+    ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp.down_proj.weight", "ffn_down.weight"),
+];
+
+impl Names {
+    fn embed(self) -> &'static str {
+        match self {
+            Names::Hf => "model.embed_tokens.weight",
+            Names::Gguf => "token_embd.weight",
+        }
+    }
+    fn norm(self) -> &'static str {
+        match self {
+            Names::Hf => "model.norm.weight",
+            Names::Gguf => "output_norm.weight",
+        }
+    }
+    fn lm_head(self) -> &'static str {
+        match self {
+            Names::Hf => "lm_head.weight",
+            Names::Gguf => "output.weight",
+        }
+    }
+    /// Layer `i`'s tensor `hf` (its Hugging Face name after `model.layers.N.`).
+    fn layer(self, i: usize, hf: &str) -> String {
+        match self {
+            Names::Hf => format!("model.layers.{i}.{hf}"),
+            Names::Gguf => {
+                let gguf = LAYER_NAMES
+                    .iter()
+                    .find(|(h, _)| *h == hf)
+                    .map_or(hf, |(_, g)| *g);
+                format!("blk.{i}.{gguf}")
+            }
+        }
+    }
+}
+
 impl Model {
-    /// Loads config.json and the safetensors weights of `dir`. `max_positions` bounds the RoPE table.
-    pub fn load(dir: &Path, max_positions: usize) -> Result<Model> {
-        let config = ModelConfig::load(dir)?;
-        let files = SafetensorsFiles::open(dir)?;
+    /// Loads the model at `path` (see [`ModelSource::locate`]). `max_positions` bounds the RoPE
+    /// table.
+    pub fn load(path: &Path, max_positions: usize) -> Result<Model> {
+        Self::load_source(&ModelSource::locate(path)?, max_positions)
+    }
+
+    pub fn load_source(source: &ModelSource, max_positions: usize) -> Result<Model> {
+        match source {
+            ModelSource::Folder(dir) => {
+                let config = ModelConfig::load(dir)?;
+                let files = SafetensorsFiles::open(dir)?;
+                Self::assemble(config, &files, Names::Hf, max_positions, dir)
+            }
+            ModelSource::Gguf(path) => {
+                let file = gguf::GgufModel::open(path)?;
+                Self::from_gguf(&file, max_positions)
+            }
+        }
+    }
+
+    /// The model a GGUF file describes: config from its metadata, tensors in their stored types.
+    pub fn from_gguf(file: &gguf::GgufModel, max_positions: usize) -> Result<Model> {
+        let meta = &file.metadata;
+        let vocab = match meta.get("tokenizer.ggml.tokens") {
+            Some(gguf::Value::Array(a)) => a.len(),
+            _ => file
+                .info(Names::Gguf.embed())
+                .map_or(0, |i| i.shape.first().copied().unwrap_or(0)),
+        };
+        let factors = match file.info("rope_freqs.weight") {
+            Some(info) => {
+                let t = file.get("rope_freqs.weight", &info.shape.clone())?;
+                Some(t.to_f32_vec().into_iter().map(f64::from).collect())
+            }
+            None => None,
+        };
+        let tied = !file.contains(Names::Gguf.lm_head());
+        let mut config = gguf::config::model_config(meta, vocab, tied, factors)?;
+        // Biases are where the file has them (qwen2 always; some llama fine-tunes).
+        config.qkv_bias = file.contains("blk.0.attn_q.bias");
+        config.o_bias = file.contains("blk.0.attn_output.bias");
+        Self::assemble(config, file, Names::Gguf, max_positions, meta.path())
+    }
+
+    fn assemble(
+        config: ModelConfig,
+        files: &impl TensorFiles,
+        names: Names,
+        max_positions: usize,
+        path: &Path,
+    ) -> Result<Model> {
         let c = &config;
         let (h, q, kv, inter) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
 
@@ -81,65 +301,68 @@ impl Model {
             }
         };
 
-        let embed = files.get("model.embed_tokens.weight", &[c.vocab_size, h])?;
+        let embed = files.get(names.embed(), &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
+            let p = |hf: &str| names.layer(i, hf);
             // Old Llama checkpoints carry the rotary inv_freq buffer; it is recomputed, not read.
-            files.ignore(&format!("{p}.self_attn.rotary_emb.inv_freq"));
+            files.ignore(&p("self_attn.rotary_emb.inv_freq"));
             layers.push(LayerWeights {
-                attn_norm: vector(&format!("{p}.input_layernorm.weight"), h)?,
-                q_proj: files.get(&format!("{p}.self_attn.q_proj.weight"), &[q, h])?,
-                k_proj: files.get(&format!("{p}.self_attn.k_proj.weight"), &[kv, h])?,
-                v_proj: files.get(&format!("{p}.self_attn.v_proj.weight"), &[kv, h])?,
-                o_proj: files.get(&format!("{p}.self_attn.o_proj.weight"), &[h, q])?,
-                q_bias: optional(c.qkv_bias, &format!("{p}.self_attn.q_proj.bias"), q)?,
-                k_bias: optional(c.qkv_bias, &format!("{p}.self_attn.k_proj.bias"), kv)?,
-                v_bias: optional(c.qkv_bias, &format!("{p}.self_attn.v_proj.bias"), kv)?,
-                o_bias: optional(c.o_bias, &format!("{p}.self_attn.o_proj.bias"), h)?,
-                q_norm: optional(
-                    c.qk_norm,
-                    &format!("{p}.self_attn.q_norm.weight"),
-                    c.head_dim,
-                )?,
-                k_norm: optional(
-                    c.qk_norm,
-                    &format!("{p}.self_attn.k_norm.weight"),
-                    c.head_dim,
-                )?,
-                mlp_norm: vector(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate_proj: files.get(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?,
-                up_proj: files.get(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?,
-                down_proj: files.get(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?,
+                attn_norm: vector(&p("input_layernorm.weight"), h)?,
+                q_proj: files.get(&p("self_attn.q_proj.weight"), &[q, h])?,
+                k_proj: files.get(&p("self_attn.k_proj.weight"), &[kv, h])?,
+                v_proj: files.get(&p("self_attn.v_proj.weight"), &[kv, h])?,
+                o_proj: files.get(&p("self_attn.o_proj.weight"), &[h, q])?,
+                q_bias: optional(c.qkv_bias, &p("self_attn.q_proj.bias"), q)?,
+                k_bias: optional(c.qkv_bias, &p("self_attn.k_proj.bias"), kv)?,
+                v_bias: optional(c.qkv_bias, &p("self_attn.v_proj.bias"), kv)?,
+                o_bias: optional(c.o_bias, &p("self_attn.o_proj.bias"), h)?,
+                q_norm: optional(c.qk_norm, &p("self_attn.q_norm.weight"), c.head_dim)?,
+                k_norm: optional(c.qk_norm, &p("self_attn.k_norm.weight"), c.head_dim)?,
+                mlp_norm: vector(&p("post_attention_layernorm.weight"), h)?,
+                gate_proj: files.get(&p("mlp.gate_proj.weight"), &[inter, h])?,
+                up_proj: files.get(&p("mlp.up_proj.weight"), &[inter, h])?,
+                down_proj: files.get(&p("mlp.down_proj.weight"), &[h, inter])?,
             });
         }
-        let norm = vector("model.norm.weight", h)?;
+        let norm = vector(names.norm(), h)?;
         let lm_head = if c.tie_word_embeddings {
             // Some tied checkpoints still store the head; transformers ignores it and so do we.
-            files.ignore("lm_head.weight");
+            files.ignore(names.lm_head());
             embed.clone()
         } else {
-            files.get("lm_head.weight", &[c.vocab_size, h])?
+            files.get(names.lm_head(), &[c.vocab_size, h])?
         };
+        files.ignore("rope_freqs.weight");
         files.check_all_used()?;
 
-        let dtype = embed.dtype;
+        // A GGUF file mixes types (Q4_K_M: Q4_K and Q6_K matrices); the model's dtype is the
+        // one that holds the most bytes. A safetensors folder has one dtype.
+        let mut bytes_by_dtype: Vec<(DType, usize)> = Vec::new();
         let mut decode_weight_bytes = lm_head.byte_len();
         for l in &layers {
             for t in l.matrices() {
-                if t.dtype != dtype {
+                if names == Names::Hf && t.dtype != embed.dtype {
                     return Err(StrataError::model_load(
-                        files.path_of("model.embed_tokens.weight").unwrap_or(dir),
+                        path,
                         format!(
                             "weight matrices mix dtypes ({} and {}); one dtype per model is supported",
-                            dtype.name(),
+                            embed.dtype.name(),
                             t.dtype.name()
                         ),
                     ));
                 }
+                match bytes_by_dtype.iter_mut().find(|(d, _)| *d == t.dtype) {
+                    Some((_, b)) => *b += t.byte_len(),
+                    None => bytes_by_dtype.push((t.dtype, t.byte_len())),
+                }
                 decode_weight_bytes += t.byte_len();
             }
         }
+        let dtype = bytes_by_dtype
+            .iter()
+            .max_by_key(|(_, b)| *b)
+            .map_or(embed.dtype, |(d, _)| *d);
         let rope = rope_table(c, max_positions)?;
         Ok(Model {
             config,
@@ -206,10 +429,13 @@ impl Model {
 }
 
 fn rope_table(c: &ModelConfig, max_positions: usize) -> Result<RopeTable> {
-    RopeTable::try_new(c.head_dim, c.rope_theta, &c.rope_scaling, max_positions).ok_or_else(|| {
-        StrataError::invalid(
-            "max_context",
-            format!("cannot allocate the rotary position table for {max_positions} positions"),
-        )
-    })
+    let table = RopeTable::try_new(c.head_dim, c.rope_theta, &c.rope_scaling, max_positions);
+    table
+        .map(|t| t.with_pairing(c.rope_pairing))
+        .ok_or_else(|| {
+            StrataError::invalid(
+                "max_context",
+                format!("cannot allocate the rotary position table for {max_positions} positions"),
+            )
+        })
 }

@@ -14,6 +14,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use crate::error::{Result, StrataError};
+use crate::model::kernels::cpu::quant::{dequantize_row, QuantType};
 use crate::model::kernels::cpu::{MatRef, WeightData};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,21 +22,37 @@ pub enum DType {
     F32,
     F16,
     Bf16,
+    /// A ggml block format (GGUF files): rows are runs of blocks, read in place.
+    Quant(QuantType),
 }
 
 impl DType {
+    /// Bytes of one element, for the element types (a block format has no element size).
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::Bf16 => 2,
+            // A block's scale is an f16: blocks are 2-byte aligned at most.
+            DType::Quant(_) => 2,
         }
     }
 
+    /// Lowercase name: "f32", "bf16", "q4_k".
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
+            DType::Quant(q) => q.lower_name(),
+        }
+    }
+
+    /// Bytes of a row of `cols` elements (`None` for a block format when `cols` is not a whole
+    /// number of blocks).
+    pub fn row_bytes(self, cols: usize) -> Option<usize> {
+        match self {
+            DType::Quant(q) => q.row_bytes(cols),
+            _ => cols.checked_mul(self.size()),
         }
     }
 }
@@ -92,6 +109,7 @@ impl Tensor {
         // every bit pattern is a valid f32/f16/bf16.
         unsafe {
             match self.dtype {
+                DType::Quant(q) => WeightData::Quant(q, b),
                 DType::F32 => {
                     WeightData::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, n))
                 }
@@ -119,11 +137,57 @@ impl Tensor {
             WeightData::F32(x) => x.to_vec(),
             WeightData::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
             WeightData::Bf16(x) => x.iter().map(|v| v.to_f32()).collect(),
+            WeightData::Quant(q, bytes) => {
+                let cols = *self.shape.last().unwrap_or(&0);
+                let rows = self.numel() / cols.max(1);
+                let mut out = vec![0.0; rows * cols];
+                let row_bytes = bytes.len() / rows.max(1);
+                for (dst, src) in out
+                    .chunks_exact_mut(cols)
+                    .zip(bytes.chunks_exact(row_bytes))
+                {
+                    dequantize_row(q, src, dst);
+                }
+                out
+            }
         }
     }
 
     pub fn byte_len(&self) -> usize {
         self.len
+    }
+
+    /// A view of `len` bytes of `map` from `start` (a GGUF tensor), realigned by a copy when the
+    /// offset is not aligned for the dtype (the caller has checked the range and the size).
+    pub(crate) fn from_map(
+        map: Arc<Mmap>,
+        dtype: DType,
+        shape: Vec<usize>,
+        start: usize,
+        len: usize,
+    ) -> Tensor {
+        let realigned = if !start.is_multiple_of(dtype.size()) {
+            let mut words = vec![0u32; len.div_ceil(4)];
+            // SAFETY: `words` holds at least `len` bytes; the caller checked start..start+len.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    map[start..].as_ptr(),
+                    words.as_mut_ptr() as *mut u8,
+                    len,
+                )
+            };
+            Some(Arc::new(words))
+        } else {
+            None
+        };
+        Tensor {
+            map,
+            dtype,
+            shape,
+            start,
+            len,
+            realigned,
+        }
     }
 }
 
@@ -264,30 +328,13 @@ impl SafetensorsFiles {
             ));
         }
         self.used.borrow_mut().insert(name.to_string());
-        let map = self.maps[e.file].clone();
-        let len = e.end - e.start;
-        let realigned = if e.start % e.dtype.size() != 0 {
-            let mut words = vec![0u32; len.div_ceil(4)];
-            // SAFETY: `words` holds at least `len` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    map[e.start..].as_ptr(),
-                    words.as_mut_ptr() as *mut u8,
-                    len,
-                )
-            };
-            Some(Arc::new(words))
-        } else {
-            None
-        };
-        Ok(Tensor {
-            map,
-            dtype: e.dtype,
-            shape: e.shape.clone(),
-            start: e.start,
-            len,
-            realigned,
-        })
+        Ok(Tensor::from_map(
+            self.maps[e.file].clone(),
+            e.dtype,
+            e.shape.clone(),
+            e.start,
+            e.end - e.start,
+        ))
     }
 
     pub fn contains(&self, name: &str) -> bool {

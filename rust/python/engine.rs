@@ -575,6 +575,7 @@ impl PyEngine {
         let c = &i.config;
         let d = PyDict::new(py);
         d.set_item("model_dir", i.model_dir.display().to_string())?;
+        d.set_item("format", i.format)?;
         d.set_item("model_type", c.family.name())?;
         d.set_item("dtype", i.dtype)?;
         d.set_item("kv_dtype", i.kv_dtype)?;

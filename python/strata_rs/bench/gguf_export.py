@@ -34,7 +34,17 @@ if TYPE_CHECKING:
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # Output dtypes of 2-D weight matrices; 1-D tensors (norms, biases) stay f32.
-_DTYPES = ("bf16", "f16", "f32")
+_FLOAT_DTYPES = ("bf16", "f16", "f32")
+# ggml block formats: the `gguf` package quantizes the legacy ones (numpy code
+# written from ggml's); strata's own quantizer (`strata_rs.quantize`) writes all.
+_GGUF_QUANTIZES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_QUANT_DTYPES = (*_GGUF_QUANTIZES, "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+_DTYPES = _FLOAT_DTYPES + _QUANT_DTYPES
+
+
+def exported_types() -> tuple[str, ...]:
+    """Every dtype `export_gguf` writes."""
+    return _DTYPES
 
 # Pre-tokenizer regexes of tokenizer.json `Split` steps, keyed to the name
 # llama.cpp's loader maps to the same regex.  The plain ByteLevel
@@ -232,8 +242,32 @@ def _gguf_name(hf_name: str) -> str | None:
     return f"blk.{int(layer)}.{suffix}"
 
 
+def _quantized(arr: np.ndarray, dtype: str, quantizer: str) -> tuple[np.ndarray, Any]:
+    """(bytes, ggml type) of a 2-D f32 matrix in `dtype`. A row that is not whole blocks
+    falls back as llama.cpp's quantizer does: to q8_0 (rows of 32s), else f16."""
+    from gguf import GGMLQuantizationType, quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = GGMLQuantizationType[dtype.upper()]
+    block = GGML_QUANT_SIZES[qtype][0]
+    if arr.shape[-1] % block != 0:
+        if arr.shape[-1] % 32 == 0 and dtype != "q8_0":
+            return _quantized(arr, "q8_0", quantizer)
+        return np.ascontiguousarray(arr, "<f2"), GGMLQuantizationType.F16
+    if quantizer == "gguf":
+        return quants.quantize(arr, qtype), qtype
+    import strata_rs
+
+    return strata_rs.quantize(np.ascontiguousarray(arr, np.float32), dtype), qtype
+
+
 def _add_tensors(
-    writer: gguf.GGUFWriter, model_dir: Path, config: Mapping[str, Any], arch: str, dtype: str
+    writer: gguf.GGUFWriter,
+    model_dir: Path,
+    config: Mapping[str, Any],
+    arch: str,
+    dtype: str,
+    quantizer: str,
 ) -> None:
     from gguf import GGMLQuantizationType
 
@@ -261,6 +295,9 @@ def _add_tensors(
                 writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr)))
             elif dtype == "f16":
                 writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr), "<f2"))
+            elif dtype in _QUANT_DTYPES:
+                data, qtype = _quantized(_to_f32(st_dtype, arr), dtype, quantizer)
+                writer.add_tensor(name, data, raw_dtype=qtype)
             else:
                 # bf16 sources are copied bit for bit; others rounded.
                 bits = (
@@ -436,12 +473,16 @@ def export_gguf(
     dtype: str = "bf16",
     *,
     pre_tokenizer: str | None = None,
+    quantizer: str | None = None,
 ) -> Path:
     """Convert an HF Llama-family folder to a GGUF file; returns out_path.
 
-    dtype ("bf16", "f16" or "f32") applies to 2-D weights; norms and biases
-    are always f32.  pre_tokenizer overrides the llama.cpp pre-tokenizer
-    name otherwise derived from tokenizer.json.
+    dtype (see `exported_types()`: "bf16", "f16", "f32", or a ggml block
+    format such as "q4_0" or "q4_k") applies to 2-D weights; norms and biases
+    are always f32.  quantizer: "gguf" (the gguf package's quantizer; the
+    default for the legacy formats it has) or "strata" (strata-rs's own,
+    the only one here for K-quants and IQ4).  pre_tokenizer overrides the
+    llama.cpp pre-tokenizer name otherwise derived from tokenizer.json.
     """
     try:
         import gguf
@@ -450,6 +491,12 @@ def export_gguf(
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {_DTYPES}")
+    if quantizer is None:
+        quantizer = "gguf" if dtype in _GGUF_QUANTIZES else "strata"
+    if quantizer not in ("gguf", "strata"):
+        raise ValueError(f"quantizer {quantizer!r}: expected 'gguf' or 'strata'")
+    if quantizer == "gguf" and dtype in _QUANT_DTYPES and dtype not in _GGUF_QUANTIZES:
+        raise ValueError(f"quantizer 'gguf': the gguf package does not quantize {dtype}")
     model_dir = Path(model_dir)
     out_path = Path(out_path)
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -489,6 +536,18 @@ def export_gguf(
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "f16": gguf.LlamaFileType.MOSTLY_F16,
         "f32": gguf.LlamaFileType.ALL_F32,
+        "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+        "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+        "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
+        "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+        "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K,
+        "q3_k": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+        "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+        "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_M,
+        "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
+        "iq4_nl": gguf.LlamaFileType.MOSTLY_IQ4_NL,
+        "iq4_xs": gguf.LlamaFileType.MOSTLY_IQ4_XS,
     }[dtype]
     writer.add_file_type(int(file_type))
     if scaling is not None and scaling["rope_type"] == "linear":
@@ -503,7 +562,7 @@ def export_gguf(
     _add_tokenizer(writer, model_dir, config, vocab_size, pre_tokenizer)
     if freq_factors is not None:
         writer.add_tensor("rope_freqs.weight", freq_factors)
-    _add_tensors(writer, model_dir, config, arch, dtype)
+    _add_tensors(writer, model_dir, config, arch, dtype, quantizer)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     try:

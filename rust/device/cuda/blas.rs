@@ -263,11 +263,13 @@ impl Blas {
                     sys::cudaDataType::CUDA_R_16F
                 }
             }
+            DType::Quant(q) => return Err(quantized(q)),
         };
         let a_type = match dtype {
             DType::F32 => sys::cudaDataType::CUDA_R_32F,
             DType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
             DType::F16 => sys::cudaDataType::CUDA_R_16F,
+            DType::Quant(q) => return Err(quantized(q)),
         };
         // Event tracking is off on the engine's contexts (one compute stream orders everything),
         // so these pointers come with nothing to synchronize.
@@ -322,4 +324,9 @@ impl Blas {
         }
         Ok(())
     }
+}
+
+/// The CUDA backend refuses quantized models at load; a quantized matrix here is a bug.
+fn quantized(q: crate::model::kernels::cpu::quant::QuantType) -> CudaKernelError {
+    CudaKernelError::Shape(format!("linear: {} weights on the CUDA backend", q.name()))
 }

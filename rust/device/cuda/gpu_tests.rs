@@ -266,6 +266,7 @@ fn embedding_matches_the_cpu_exactly_for_every_dtype() {
                     &dtokens.as_view(),
                     &mut dout.as_view_mut(),
                 ),
+                WeightData::Quant(..) => unreachable!("the tables here are f32, f16, bf16"),
             };
             launched.expect("embedding launches");
             // (The temporary table is freed after the launch in stream order: cudarc's drop uses
@@ -936,6 +937,7 @@ fn cublas_products_match_the_cpu_linear() {
                         .collect(),
                     x.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
                 ),
+                DType::Quant(_) => unreachable!("the matrices here are f32, f16, bf16"),
             };
             let w_bf16: Vec<bf16> = w32.iter().map(|&v| bf16::from_f32(v)).collect();
             let w_f16: Vec<f16> = w32.iter().map(|&v| f16::from_f32(v)).collect();
@@ -943,9 +945,10 @@ fn cublas_products_match_the_cpu_linear() {
                 DType::F32 => WeightData::F32(&w32),
                 DType::Bf16 => WeightData::Bf16(&w_bf16),
                 DType::F16 => WeightData::F16(&w_f16),
+                DType::Quant(_) => unreachable!("the matrices here are f32, f16, bf16"),
             };
             let mut want = vec![0.0f32; n * rows];
-            let mut mm = MatmulScratch::new(2, cols);
+            let mut mm = MatmulScratch::new(2, cols, 64);
             linear(
                 &x_used,
                 n,
@@ -959,6 +962,7 @@ fn cublas_products_match_the_cpu_linear() {
                 WeightData::F32(w) => w.to_vec(),
                 WeightData::Bf16(w) => w.iter().map(|v| v.to_f32()).collect(),
                 WeightData::F16(w) => w.iter().map(|v| v.to_f32()).collect(),
+                WeightData::Quant(..) => unreachable!("the matrices here are f32, f16, bf16"),
             };
             let magnitude: Vec<f32> = (0..n * rows)
                 .map(|i| {

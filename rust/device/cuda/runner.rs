@@ -39,6 +39,7 @@ use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, DeviceKv, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::forward::{LogitsWanted, SeqChunk};
+use crate::model::kernels::cpu::rope::RopePairing;
 use crate::model::weights::DType;
 use crate::model::Model;
 
@@ -410,6 +411,10 @@ impl CudaStage {
                     unsafe { table.data.transmute::<half::bf16>(len) }.ok_or_else(view_error)?;
                 k.embedding(s, &t, vocab, &tokens, &mut x)
             }
+            DType::Quant(q) => Err(CudaKernelError::Shape(format!(
+                "embedding: a {} table reached the CUDA backend (it refuses quantized models)",
+                q.name()
+            ))),
         }
     }
 
@@ -719,6 +724,16 @@ impl CudaRunner {
         opts: CudaOptions,
     ) -> Result<(CudaRunner, BlockPool)> {
         let c = &model.config;
+        let quantized = std::iter::once(&model.embed)
+            .chain(model.layers.iter().flat_map(|l| l.matrices()))
+            .any(|t| matches!(t.dtype, DType::Quant(_)));
+        if quantized || c.rope_pairing != RopePairing::Half {
+            return Err(StrataError::invalid(
+                "device",
+                "the CUDA backend runs Hugging Face folders (f32, f16, bf16) only; \
+                 GGUF and quantized models run on device=\"cpu\"",
+            ));
+        }
         let ranges = crate::device::split::ranges(layer_counts);
         let last = devices.len().saturating_sub(1);
         let refused = |field: &str| {

@@ -1,5 +1,6 @@
 //! Token embedding lookup: one row of the `[vocab, hidden]` matrix, widened to f32.
 
+use super::quant::dequantize_row;
 use super::{MatRef, WeightData};
 use half::slice::HalfFloatSliceExt;
 
@@ -20,17 +21,26 @@ pub fn embed(w: MatRef, token: u32, out: &mut [f32]) {
         }
         // half picks F16C at run time when the CPU has it.
         WeightData::F16(d) => d[range].convert_to_f32_slice(out),
+        WeightData::Quant(q, d) => {
+            let rb = d.len() / rows;
+            dequantize_row(q, &d[t * rb..(t + 1) * rb], out);
+        }
     }
 }
 
 /// Plain reference: element-wise conversion.
 pub fn reference(w: MatRef, token: u32, out: &mut [f32]) {
+    if let WeightData::Quant(..) = w.data {
+        // The block formats have one definition: dequantize_row is the reference.
+        return embed(w, token, out);
+    }
     let base = token as usize * w.cols;
     for (c, o) in out.iter_mut().enumerate() {
         *o = match w.data {
             WeightData::F32(d) => d[base + c],
             WeightData::F16(d) => d[base + c].to_f32(),
             WeightData::Bf16(d) => d[base + c].to_f32(),
+            WeightData::Quant(..) => unreachable!("handled above"),
         };
     }
 }

@@ -26,6 +26,8 @@
 //!
 //! Explicit AVX-512 / AVX2+FMA kernels with a portable scalar fallback, selected at run time.
 
+use super::quant::dequantize_row;
+use super::quant::linear::{linear_quant, linear_quant_group, QuantMatRef, QuantOut, QuantScratch};
 use super::{MatRef, WeightData};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -42,6 +44,8 @@ const TOKEN_BLOCK_BYTES: usize = 1 << 20;
 
 /// Per-task f32 panels for the panel driver, allocated once at model load.
 pub struct MatmulScratch {
+    /// The quantized kernels' buffers (activations quantized to 8 bits).
+    quant: QuantScratch,
     /// One panel of `panel_len` floats (from a 64-byte boundary on) per pool thread.
     panels: Vec<Vec<f32>>,
     panel_len: usize,
@@ -53,14 +57,21 @@ impl MatmulScratch {
     /// of any matrix that will go through [`linear`] (bf16/f16 matrices with more columns take
     /// the stream driver, f32 ones the panel driver on the unaligned weights: slower, same
     /// bits).
-    pub fn new(threads: usize, max_cols: usize) -> Self {
-        Self::with_panel_rows(threads, max_cols, panel_rows(max_cols))
+    /// `max_tokens`: the most rows of `x` a quantized matrix will see in one call.
+    pub fn new(threads: usize, max_cols: usize, max_tokens: usize) -> Self {
+        Self::with_panel_rows(threads, max_cols, max_tokens, panel_rows(max_cols))
     }
 
-    fn with_panel_rows(threads: usize, max_cols: usize, panel_rows: usize) -> Self {
+    fn with_panel_rows(
+        threads: usize,
+        max_cols: usize,
+        max_tokens: usize,
+        panel_rows: usize,
+    ) -> Self {
         let threads = threads.max(1);
         let panel_len = panel_rows.max(1) * max_cols;
         Self {
+            quant: QuantScratch::new(threads, max_tokens, max_cols),
             // 15 floats of slack so that each panel can start on a 64-byte boundary.
             panels: (0..threads).map(|_| vec![0.0; panel_len + 15]).collect(),
             panel_len,
@@ -71,6 +82,7 @@ impl MatmulScratch {
     /// Bytes the panels hold (for the device's memory accounting).
     pub fn bytes(&self) -> usize {
         self.panels.iter().map(|p| p.capacity()).sum::<usize>() * std::mem::size_of::<f32>()
+            + self.quant.bytes()
     }
 }
 
@@ -97,6 +109,16 @@ pub fn linear(
     y: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
+    if let WeightData::Quant(ty, data) = w.data {
+        let w = QuantMatRef {
+            ty,
+            data,
+            rows: w.rows,
+            cols: w.cols,
+        };
+        linear_quant(x, n, w, bias, y, &mut scratch.quant);
+        return;
+    }
     let isa = Isa::detect(matches!(w.data, WeightData::F16(_)));
     linear_with(isa, x, n, w, bias, y, scratch);
 }
@@ -120,6 +142,14 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
         outs.len() <= GROUP_MAX,
         "linear_group: more than {GROUP_MAX} products"
     );
+    if !outs.is_empty()
+        && outs
+            .iter()
+            .all(|o| matches!(o.w.data, WeightData::Quant(..)))
+    {
+        quant_group(x, n, outs, &mut scratch.quant);
+        return;
+    }
     let k = outs.first().map_or(0, |o| o.w.cols);
     let streamed = n > 0 && n <= SMALL_N_MAX && k > 0 && outs.iter().all(|o| o.w.cols == k);
     if !streamed {
@@ -161,6 +191,35 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
     (0..first_task[products]).into_par_iter().for_each(work);
 }
 
+/// A group of quantized products, handed to [`linear_quant_group`] (an array on the stack: the
+/// forward pass allocates nothing).
+fn quant_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut QuantScratch) {
+    fn quant<'w, 'y>(o: &'y mut LinearOut<'w, '_>) -> QuantOut<'w, 'y> {
+        let WeightData::Quant(ty, data) = o.w.data else {
+            unreachable!("quant_group takes quantized products only")
+        };
+        QuantOut {
+            w: QuantMatRef {
+                ty,
+                data,
+                rows: o.w.rows,
+                cols: o.w.cols,
+            },
+            bias: o.bias,
+            y: &mut *o.y,
+        }
+    }
+    match outs {
+        [a] => linear_quant_group(x, n, &mut [quant(a)], scratch),
+        [a, b] => linear_quant_group(x, n, &mut [quant(a), quant(b)], scratch),
+        [a, b, c] => linear_quant_group(x, n, &mut [quant(a), quant(b), quant(c)], scratch),
+        [a, b, c, d] => {
+            linear_quant_group(x, n, &mut [quant(a), quant(b), quant(c), quant(d)], scratch)
+        }
+        _ => unreachable!("linear_group: 1..={GROUP_MAX} products"),
+    }
+}
+
 /// One product of a group as its tasks see it: ISA, weights, bias, output pointer.
 type GroupJob<'w> = (Isa, MatRef<'w>, Option<&'w [f32]>, SendPtr);
 
@@ -170,12 +229,13 @@ fn check_shapes(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &[f32])
     let (m, k) = (w.rows, w.cols);
     assert_eq!(x.len(), n * k, "linear: x is not [n, k]");
     assert_eq!(y.len(), n * m, "linear: y is not [n, m]");
-    let wlen = match w.data {
-        WeightData::F32(d) => d.len(),
-        WeightData::F16(d) => d.len(),
-        WeightData::Bf16(d) => d.len(),
+    let (wlen, want) = match w.data {
+        WeightData::F32(d) => (d.len(), m * k),
+        WeightData::F16(d) => (d.len(), m * k),
+        WeightData::Bf16(d) => (d.len(), m * k),
+        WeightData::Quant(q, d) => (d.len(), m * q.row_bytes(k).unwrap_or(usize::MAX)),
     };
-    assert_eq!(wlen, m * k, "linear: weight data is not [rows, cols]");
+    assert_eq!(wlen, want, "linear: weight data is not [rows, cols]");
     if let Some(b) = bias {
         assert_eq!(b.len(), m, "linear: bias is not [rows]");
     }
@@ -281,6 +341,7 @@ fn elem_bytes(data: WeightData) -> usize {
     match data {
         WeightData::F32(_) => 4,
         WeightData::F16(_) | WeightData::Bf16(_) => 2,
+        WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
     }
 }
 
@@ -361,6 +422,7 @@ unsafe fn rows_dispatch(
                     debug_assert!(d.len() >= r1 * k);
                     x86::rows_avx512_bf16(d.as_ptr().cast(), k, r0, r1, xp, n, out)
                 }
+                WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -377,11 +439,13 @@ unsafe fn rows_dispatch(
                 debug_assert!(d.len() >= r1 * k);
                 x86::rows_avx2_bf16(d.as_ptr().cast(), k, r0, r1, x.as_ptr(), n, out)
             }
+            WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
         },
         Isa::Scalar => match data {
             WeightData::F32(d) => rows_scalar(d, |v| v, k, r0, r1, x, n, out),
             WeightData::F16(d) => rows_scalar(d, |v| v.to_f32(), k, r0, r1, x, n, out),
             WeightData::Bf16(d) => rows_scalar(d, |v| v.to_f32(), k, r0, r1, x, n, out),
+            WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
         },
     }
 }
@@ -1075,6 +1139,7 @@ fn convert_rows(data: WeightData, start: usize, dst: &mut [f32]) {
             use half::slice::HalfFloatSliceExt;
             src.convert_to_f32_slice(dst);
         }
+        WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
     }
 }
 
@@ -1177,11 +1242,26 @@ fn linear_panels(
 /// Plain reference: f64 accumulation, one element at a time.
 pub fn reference(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
+    let dequantized: Vec<f32> = match w.data {
+        WeightData::Quant(q, d) => match q.row_bytes(k) {
+            Some(rb) if rb > 0 => d
+                .chunks_exact(rb)
+                .flat_map(|row| {
+                    let mut out = vec![0.0; k];
+                    dequantize_row(q, row, &mut out);
+                    out
+                })
+                .collect(),
+            _ => Vec::new(),
+        },
+        _ => Vec::new(),
+    };
     let get = |i: usize| -> f64 {
         match w.data {
             WeightData::F32(d) => d[i] as f64,
             WeightData::F16(d) => d[i].to_f64(),
             WeightData::Bf16(d) => d[i].to_f64(),
+            WeightData::Quant(..) => dequantized[i] as f64,
         }
     };
     for t in 0..n {
@@ -1212,6 +1292,7 @@ mod tests {
                 WeightData::F32(d) => d[i].abs() as f64,
                 WeightData::F16(d) => d[i].to_f64().abs(),
                 WeightData::Bf16(d) => d[i].to_f64().abs(),
+                WeightData::Quant(..) => unreachable!("the tests here use element types"),
             }
         };
         for t in 0..n {
@@ -1238,7 +1319,7 @@ mod tests {
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
         // Small panels so multi-panel splitting is exercised at test sizes.
-        let mut scratch = MatmulScratch::with_panel_rows(rayon::current_num_threads(), k, 16);
+        let mut scratch = MatmulScratch::with_panel_rows(rayon::current_num_threads(), k, 1, 16);
         for data in [
             WeightData::F32(&wf),
             WeightData::F16(&wh),
@@ -1322,8 +1403,8 @@ mod tests {
         };
         let mut y = vec![0.0; n * m];
         // n == 0 is a no-op.
-        linear(&[], 0, w, None, &mut [], &mut MatmulScratch::new(1, k));
-        let mut scratch = MatmulScratch::new(1, k);
+        linear(&[], 0, w, None, &mut [], &mut MatmulScratch::new(1, k, 1));
+        let mut scratch = MatmulScratch::new(1, k, 1);
         linear(&x, n, w, None, &mut y, &mut scratch);
         check(&x, n, w, None, &y);
         // More tasks than panels would need, odd panel height.
@@ -1335,7 +1416,7 @@ mod tests {
             w,
             None,
             &mut y2,
-            &mut MatmulScratch::with_panel_rows(3, k, 7),
+            &mut MatmulScratch::with_panel_rows(3, k, 1, 7),
         );
         check(&x, n, w, None, &y2);
     }
@@ -1404,7 +1485,7 @@ mod tests {
                 for with_bias in [false, true] {
                     let bias = with_bias.then_some(&bias[..]);
                     let mut alone = vec![f32::NAN; m];
-                    let mut scratch = MatmulScratch::with_panel_rows(3, k, 16);
+                    let mut scratch = MatmulScratch::with_panel_rows(3, k, 1, 16);
                     linear_with(isa, &target, 1, w, bias, &mut alone, &mut scratch);
                     check(&target, 1, w, bias, &alone);
                     for (i, &n) in [1usize, 5, 8, 9, 16, 32, 33, 64, 65, 300]
@@ -1453,7 +1534,7 @@ mod tests {
             .map(|w| w.iter().map(|&v| bf16::from_f32(v)).collect())
             .collect();
         let pools = thread_pools(&[1, 2, 3]);
-        let mut scratch = MatmulScratch::with_panel_rows(3, k, 16);
+        let mut scratch = MatmulScratch::with_panel_rows(3, k, 1, 16);
         linear_group(&[], 0, &mut [], &mut scratch);
         for dtype in 0..3 {
             let mats: Vec<MatRef> = (0..heights.len())
@@ -1546,7 +1627,7 @@ mod timing {
             };
             let x = vec![0.5f32; 64 * k];
             let mut y = vec![0.0f32; 64 * m];
-            let mut scratch = MatmulScratch::new(threads, k);
+            let mut scratch = MatmulScratch::new(threads, k, 512);
             for &n in &[1usize, 2, 4, 8, 12, 16, 24, 32, 64] {
                 if m > 10000 && n > 1 {
                     break;
@@ -1597,7 +1678,7 @@ mod timing {
             };
             let x = vec![0.5f32; 512 * k];
             let mut y = vec![0.0f32; 512 * m];
-            let mut scratch = MatmulScratch::new(threads, k);
+            let mut scratch = MatmulScratch::new(threads, k, 512);
             for &n in &[16usize, 32, 48, 64, 128, 512] {
                 let (xs, ys) = (&x[..n * k], &mut y[..n * m]);
                 let ts = best(20, || linear_stream(isa, xs, n, mat, None, ys));

@@ -1,7 +1,8 @@
 //! CPU kernels, one file per kernel, each with its scalar reference and its tests.
 //!
 //! Every kernel works on f32 activations. Weight matrices are read in their stored dtype
-//! (f32, f16 or bf16) straight from the memory map: no f32 copy of the weights exists.
+//! (f32, f16, bf16 or a ggml block format) straight from the memory map: no f32 copy of the
+//! weights exists.
 
 pub mod attention;
 pub mod embedding;
@@ -21,6 +22,8 @@ pub enum WeightData<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     Bf16(&'a [bf16]),
+    /// Rows of ggml blocks (`rows * ty.row_bytes(cols)` bytes), read by the `quant` kernels.
+    Quant(quant::QuantType, &'a [u8]),
 }
 
 /// A row-major `[rows, cols]` weight matrix in PyTorch `Linear` layout (out_features x in_features).

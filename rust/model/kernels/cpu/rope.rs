@@ -1,4 +1,6 @@
-//! Rotary position embeddings, HF "rotate_half" (non-interleaved) convention.
+//! Rotary position embeddings: HF's "rotate_half" convention (dimension `i` pairs with
+//! `i + head_dim/2`), or adjacent pairs (`2i` with `2i + 1`), the order GGUF files of the llama
+//! architecture store q and k rows in (llama.cpp's converter permutes them so).
 
 /// Frequency scaling variants from the HF config's `rope_scaling`.
 #[derive(Clone, Debug, PartialEq)]
@@ -15,11 +17,25 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
+    /// One divisor per frequency (GGUF's `rope_freqs` tensor: what the converter computed from
+    /// the model's Llama 3 parameters).
+    Factors(Vec<f64>),
+}
+
+/// Which dimensions of a head rotate together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RopePairing {
+    /// `i` with `i + head_dim/2` (Hugging Face checkpoints; GGUF qwen2/qwen3).
+    #[default]
+    Half,
+    /// `2i` with `2i + 1` (GGUF llama-architecture files).
+    Adjacent,
 }
 
 /// cos/sin for every position and frequency, computed in f64 at load and stored in f32.
 pub struct RopeTable {
     half: usize,
+    pairing: RopePairing,
     max_positions: usize,
     /// `[max_positions, half]`.
     cos: Vec<f32>,
@@ -36,6 +52,7 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
             match *scaling {
                 RopeScaling::None => f,
                 RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Factors(ref factors) => f / factors[i],
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -89,10 +106,21 @@ impl RopeTable {
         }
         Some(Self {
             half,
+            pairing: RopePairing::Half,
             max_positions,
             cos,
             sin,
         })
+    }
+
+    /// The same table, rotating `pairing`'s pairs.
+    pub fn with_pairing(mut self, pairing: RopePairing) -> Self {
+        self.pairing = pairing;
+        self
+    }
+
+    pub fn pairing(&self) -> RopePairing {
+        self.pairing
     }
 
     pub fn max_positions(&self) -> usize {
@@ -134,6 +162,16 @@ impl RopeTable {
         );
         let cos = &self.cos[pos * half..(pos + 1) * half];
         let sin = &self.sin[pos * half..(pos + 1) * half];
+        if self.pairing == RopePairing::Adjacent {
+            for head in x.chunks_exact_mut(2 * half) {
+                for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                    let (u, v) = (pair[0], pair[1]);
+                    pair[0] = u * c - v * s;
+                    pair[1] = v * c + u * s;
+                }
+            }
+            return;
+        }
         for head in x.chunks_exact_mut(2 * half) {
             let (x1, x2) = head.split_at_mut(half);
             // Plain zipped loop: vectorises.
@@ -240,6 +278,43 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn adjacent_pairs_rotate_the_permuted_rows_alike() {
+        // GGUF llama files store each head's rows as (0, half, 1, half + 1, ...): rotating
+        // adjacent pairs of that order gives the same numbers as rotate_half in HF order.
+        let (head_dim, n_heads, half) = (16usize, 3usize, 8usize);
+        let factors: Vec<f64> = (0..half).map(|i| 1.0 + i as f64).collect();
+        let s = RopeScaling::Factors(factors.clone());
+        let freqs = inv_freqs(head_dim, 10000.0, &s);
+        for (i, &f) in freqs.iter().enumerate() {
+            let base = 1.0 / 10000f64.powf(2.0 * i as f64 / head_dim as f64);
+            assert_eq!(f, base / factors[i]);
+        }
+        let half_table = RopeTable::try_new(head_dim, 10000.0, &s, 50).expect("table");
+        let adjacent = RopeTable::try_new(head_dim, 10000.0, &s, 50)
+            .expect("table")
+            .with_pairing(RopePairing::Adjacent);
+        let mut rng = Rng(5);
+        let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.next()).collect();
+        let permute = |v: &[f32]| -> Vec<f32> {
+            let mut p = vec![0.0; v.len()];
+            for h in 0..n_heads {
+                for i in 0..half {
+                    p[h * head_dim + 2 * i] = v[h * head_dim + i];
+                    p[h * head_dim + 2 * i + 1] = v[h * head_dim + half + i];
+                }
+            }
+            p
+        };
+        for pos in [0, 1, 31, 49] {
+            let mut hf = x.clone();
+            half_table.apply(&mut hf, n_heads, pos);
+            let mut gguf = permute(&x);
+            adjacent.apply(&mut gguf, n_heads, pos);
+            assert_eq!(gguf, permute(&hf), "pos {pos}");
         }
     }
 

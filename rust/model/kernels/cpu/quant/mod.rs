@@ -3,6 +3,22 @@
 //! A quantized matrix row is a run of blocks; each block packs `block_elems` weights into
 //! `block_bytes` bytes (small integers and one or two scales). The types are the ones inside
 //! the GGUF files people download (Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 files).
+//!
+//! One file per format family, each with its scalar reference (unpack, dequantize, quantize,
+//! integer block dot) and its tests: [`legacy`] (the 32-weight blocks Q4_0 .. Q8_0), [`kquants`]
+//! (the 256-weight super-blocks Q2_K .. Q6_K), [`iq4`] (IQ4_NL, IQ4_XS). [`linear`] is the
+//! linear-layer kernel on quantized weights; [`activation`] the 8-bit activation rows it uses.
+
+pub mod activation;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod iq4;
+pub mod kquants;
+pub mod legacy;
+pub mod linear;
+mod search;
 
 /// A ggml block format, by its GGUF name.
 #[allow(non_camel_case_types)]
@@ -78,6 +94,24 @@ impl QuantType {
         }
     }
 
+    /// The lowercase name ("q4_k"), as options and `engine.info` spell it.
+    pub fn lower_name(self) -> &'static str {
+        match self {
+            QuantType::Q4_0 => "q4_0",
+            QuantType::Q4_1 => "q4_1",
+            QuantType::Q5_0 => "q5_0",
+            QuantType::Q5_1 => "q5_1",
+            QuantType::Q8_0 => "q8_0",
+            QuantType::Q2_K => "q2_k",
+            QuantType::Q3_K => "q3_k",
+            QuantType::Q4_K => "q4_k",
+            QuantType::Q5_K => "q5_k",
+            QuantType::Q6_K => "q6_k",
+            QuantType::IQ4_NL => "iq4_nl",
+            QuantType::IQ4_XS => "iq4_xs",
+        }
+    }
+
     /// By GGUF name, case-insensitive ("q4_k", "Q8_0").
     pub fn from_name(name: &str) -> Option<QuantType> {
         QuantType::ALL
@@ -128,6 +162,165 @@ impl QuantType {
         }
         (cols / self.block_elems()).checked_mul(self.block_bytes())
     }
+}
+
+/// The weights of one block as small integers and integer scales, what both the dequantizer
+/// and the integer dot products read: weight `i` is `d * sc[i / 16] * q[i] + m * mn[i / 16]`
+/// (the second term only for the types with a minimum, see [`QuantType::has_min`]). The
+/// 32-weight types have no sub-block scales: `sc` and `mn` are 1 there.
+#[derive(Clone, Debug)]
+pub struct Unpacked {
+    pub q: [i8; 256],
+    pub sc: [i16; 16],
+    pub mn: [i16; 16],
+    /// The block's scale (f16 widened, exact).
+    pub d: f32,
+    /// The scale of the minimum term: `m` (Q4_1, Q5_1) or `-dmin` (Q2_K, Q4_K, Q5_K); 0 else.
+    pub m: f32,
+}
+
+impl Unpacked {
+    fn new() -> Self {
+        Unpacked {
+            q: [0; 256],
+            sc: [1; 16],
+            mn: [1; 16],
+            d: 0.0,
+            m: 0.0,
+        }
+    }
+}
+
+impl QuantType {
+    /// Whether a weight is `scale * q + min` (two terms per dot product) rather than `scale * q`.
+    pub fn has_min(self) -> bool {
+        matches!(
+            self,
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K
+        )
+    }
+
+    /// Whether the type is a 256-weight super-block (the activation rows it meets carry one
+    /// scale per 256 and sums per 16; the 32-weight types meet one scale and one sum per 32).
+    pub fn is_k(self) -> bool {
+        self.block_elems() == 256
+    }
+}
+
+/// The integers and scales of one block of type `ty` (`block.len() == ty.block_bytes()`).
+pub fn unpack(ty: QuantType, block: &[u8], u: &mut Unpacked) {
+    debug_assert_eq!(block.len(), ty.block_bytes());
+    match ty {
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => {
+            legacy::unpack(ty, block, u)
+        }
+        QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => {
+            kquants::unpack(ty, block, u)
+        }
+        QuantType::IQ4_NL | QuantType::IQ4_XS => iq4::unpack(ty, block, u),
+    }
+}
+
+/// Dequantizes one row: `src` holds `ty.row_bytes(dst.len())` bytes. Each weight is computed as
+/// ggml (and the `gguf` Python package) computes it, in f32: `(d * sc) * q` then `+ m * mn` (or
+/// `- dmin * mn`), so the values are the same to the bit.
+///
+/// Panics unless `dst.len()` is a whole number of blocks and `src` is that many blocks.
+pub fn dequantize_row(ty: QuantType, src: &[u8], dst: &mut [f32]) {
+    let want = ty.row_bytes(dst.len());
+    assert_eq!(
+        Some(src.len()),
+        want,
+        "dequantize_row: {} row of {} values needs {want:?} bytes, got {}",
+        ty.name(),
+        dst.len(),
+        src.len()
+    );
+    let (bb, be) = (ty.block_bytes(), ty.block_elems());
+    let mut u = Unpacked::new();
+    for (block, out) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
+        unpack(ty, block, &mut u);
+        if ty.is_k() {
+            for (s, o16) in out.chunks_exact_mut(16).enumerate() {
+                let dl = u.d * u.sc[s] as f32;
+                let ml = u.m * u.mn[s] as f32;
+                let q = &u.q[16 * s..16 * s + 16];
+                for (o, &qv) in o16.iter_mut().zip(q) {
+                    *o = if ty.has_min() {
+                        dl * qv as f32 + ml
+                    } else {
+                        dl * qv as f32
+                    };
+                }
+            }
+        } else {
+            for (o, &qv) in out.iter_mut().zip(&u.q[..32]) {
+                *o = if ty.has_min() {
+                    u.d * qv as f32 + u.m
+                } else {
+                    u.d * qv as f32
+                };
+            }
+        }
+    }
+}
+
+/// Quantizes one row: `dst` gets `ty.row_bytes(src.len())` bytes. The K-quants and IQ4 types
+/// search their scales (weighted least squares over a grid of candidate scales, as ggml's
+/// reference quantizers do) rather than take the block's range; the values are close to
+/// ggml's, not bit-equal.
+///
+/// Panics unless `src.len()` is a whole number of blocks and `dst` has the row's bytes.
+pub fn quantize_row(ty: QuantType, src: &[f32], dst: &mut [u8]) {
+    let want = ty.row_bytes(src.len());
+    assert_eq!(
+        Some(dst.len()),
+        want,
+        "quantize_row: {} row of {} values needs {want:?} bytes, got {}",
+        ty.name(),
+        src.len(),
+        dst.len()
+    );
+    let (bb, be) = (ty.block_bytes(), ty.block_elems());
+    for (x, block) in src.chunks_exact(be).zip(dst.chunks_exact_mut(bb)) {
+        match ty {
+            QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0 => legacy::quantize(ty, x, block),
+            QuantType::Q2_K
+            | QuantType::Q3_K
+            | QuantType::Q4_K
+            | QuantType::Q5_K
+            | QuantType::Q6_K => kquants::quantize(ty, x, block),
+            QuantType::IQ4_NL | QuantType::IQ4_XS => iq4::quantize(ty, x, block),
+        }
+    }
+}
+
+/// The f16 at `b[off..off + 2]`, widened (exact).
+#[inline(always)]
+pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
+}
+
+/// Stores `v` rounded to f16 at `b[off..off + 2]`; returns the stored value, widened.
+#[inline(always)]
+pub(crate) fn put_f16(b: &mut [u8], off: usize, v: f32) -> f32 {
+    let h = half::f16::from_f32(v);
+    b[off..off + 2].copy_from_slice(&h.to_bits().to_le_bytes());
+    h.to_f32()
+}
+
+/// Round to nearest (ties to even) for the quantizers, through the 1.5 * 2^23 trick: `round()`
+/// is a libm call on baseline x86-64, and quantize-on-load rounds every weight of a model.
+/// Inputs are clamped first (the trick needs |v| < 2^22); NaN gives 0.
+#[inline(always)]
+pub(crate) fn round_i(v: f32) -> i32 {
+    const MAGIC: f32 = 12_582_912.0;
+    let v = v.clamp(-4.0e6, 4.0e6);
+    ((v + MAGIC) - MAGIC) as i32
 }
 
 #[cfg(test)]

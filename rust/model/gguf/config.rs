@@ -1,0 +1,170 @@
+//! The model's hyper-parameters from GGUF metadata (`<arch>.*` keys), as a `ModelConfig`.
+
+use crate::error::Result;
+use crate::model::config::{Family, ModelConfig, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
+use crate::model::kernels::cpu::rope::{RopePairing, RopeScaling};
+
+use super::Metadata;
+
+/// Architectures read, by their `general.architecture` name. Mistral files use "llama".
+const ARCHITECTURES: &str = "llama, qwen2, qwen3";
+
+/// The config of the model `meta` describes. `vocab_size` is the token count of the tokenizer
+/// when the file has no `<arch>.vocab_size`; `tied` says whether the file lacks `output.weight`;
+/// `rope_factors` is the `rope_freqs` tensor when the file has one.
+pub fn model_config(
+    meta: &Metadata,
+    vocab_size: usize,
+    tied: bool,
+    rope_factors: Option<Vec<f64>>,
+) -> Result<ModelConfig> {
+    let arch = meta.str("general.architecture")?;
+    let (family, pairing) = match arch {
+        // llama.cpp's converter permutes llama q/k rows to adjacent pairs; qwen files keep HF's.
+        "llama" => (Family::Llama, RopePairing::Adjacent),
+        "qwen2" => (Family::Qwen2, RopePairing::Half),
+        "qwen3" => (Family::Qwen3, RopePairing::Half),
+        other => {
+            return Err(meta.err(
+                "general.architecture",
+                format!("unsupported architecture {other:?} (supported: {ARCHITECTURES})"),
+            ))
+        }
+    };
+    let key = |k: &str| format!("{arch}.{k}");
+    let positive = |k: &str, max: usize| -> Result<usize> {
+        let n = meta
+            .uniform_usize_opt(&key(k))?
+            .ok_or_else(|| meta.err(&key(k), "missing"))?;
+        if n == 0 || n > max {
+            return Err(meta.err(&key(k), format!("{n} is not in 1..={max}")));
+        }
+        Ok(n)
+    };
+
+    let hidden_size = positive("embedding_length", usize::MAX)?;
+    let num_layers = positive("block_count", MAX_LAYERS)?;
+    let intermediate_size = positive("feed_forward_length", usize::MAX)?;
+    let num_heads = positive("attention.head_count", MAX_HEADS)?;
+    let num_kv_heads = match meta.uniform_usize_opt(&key("attention.head_count_kv"))? {
+        None => num_heads,
+        Some(n) => n,
+    };
+    if num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+        return Err(meta.err(
+            &key("attention.head_count_kv"),
+            format!("{num_kv_heads} does not divide attention.head_count {num_heads}"),
+        ));
+    }
+    if num_heads / num_kv_heads > 16 {
+        return Err(meta.err(
+            &key("attention.head_count_kv"),
+            "more than 16 query heads per key/value head is not supported",
+        ));
+    }
+    let head_dim = match meta.usize_opt(&key("attention.key_length"))? {
+        Some(d) => d,
+        None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
+        None => {
+            return Err(meta.err(
+                &key("attention.key_length"),
+                "missing, and embedding_length is not a multiple of attention.head_count",
+            ))
+        }
+    };
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > 256 {
+        return Err(meta.err(
+            &key("attention.key_length"),
+            format!("{head_dim} is not an even size in 2..=256"),
+        ));
+    }
+    if let Some(v) = meta.usize_opt(&key("attention.value_length"))? {
+        if v != head_dim {
+            return Err(meta.err(
+                &key("attention.value_length"),
+                format!("{v} differs from attention.key_length {head_dim}; not supported"),
+            ));
+        }
+    }
+    if let Some(d) = meta.usize_opt(&key("rope.dimension_count"))? {
+        if d != head_dim {
+            return Err(meta.err(
+                &key("rope.dimension_count"),
+                format!("{d}: partial rotary embeddings (head size {head_dim}) are not supported"),
+            ));
+        }
+    }
+
+    let rope_theta = meta.f64_opt(&key("rope.freq_base"))?.unwrap_or(10000.0);
+    if !(rope_theta.is_finite() && rope_theta > 0.0) {
+        return Err(meta.err(&key("rope.freq_base"), "must be a positive number"));
+    }
+    let scaling_type = meta.str_opt(&key("rope.scaling.type"))?.unwrap_or("none");
+    let rope_scaling = match (scaling_type, rope_factors) {
+        (_, Some(factors)) => {
+            if factors.len() != head_dim / 2 || factors.iter().any(|f| f.is_nan() || *f <= 0.0) {
+                return Err(meta.err(
+                    "rope_freqs.weight",
+                    format!("expected {} positive factors", head_dim / 2),
+                ));
+            }
+            RopeScaling::Factors(factors)
+        }
+        ("none", None) => RopeScaling::None,
+        ("linear", None) => {
+            let factor = meta
+                .f64_opt(&key("rope.scaling.factor"))?
+                .ok_or_else(|| meta.err(&key("rope.scaling.factor"), "missing"))?;
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(meta.err(&key("rope.scaling.factor"), "must be a positive number"));
+            }
+            RopeScaling::Linear { factor }
+        }
+        (other, None) => {
+            return Err(meta.err(
+                &key("rope.scaling.type"),
+                format!("unsupported rope scaling {other:?} (supported: none, linear)"),
+            ))
+        }
+    };
+    let eps = meta
+        .f64_opt(&key("attention.layer_norm_rms_epsilon"))?
+        .ok_or_else(|| meta.err(&key("attention.layer_norm_rms_epsilon"), "missing"))?;
+    if eps.is_nan() || eps <= 0.0 {
+        return Err(meta.err(&key("attention.layer_norm_rms_epsilon"), "must be > 0"));
+    }
+    let vocab_size = meta.usize_opt(&key("vocab_size"))?.unwrap_or(vocab_size);
+    if vocab_size == 0 || vocab_size > MAX_VOCAB {
+        return Err(meta.err(
+            &key("vocab_size"),
+            format!("{vocab_size} is not in 1..={MAX_VOCAB}"),
+        ));
+    }
+    let sliding_window = meta
+        .usize_opt(&key("attention.sliding_window"))?
+        .filter(|&w| w > 0);
+    Ok(ModelConfig {
+        family,
+        hidden_size,
+        intermediate_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size,
+        rms_norm_eps: eps as f32,
+        rope_theta,
+        rope_scaling,
+        rope_pairing: pairing,
+        max_position_embeddings: meta
+            .usize_opt(&key("context_length"))?
+            .unwrap_or(2048)
+            .max(1),
+        tie_word_embeddings: tied,
+        qkv_bias: family == Family::Qwen2,
+        o_bias: false,
+        qk_norm: family == Family::Qwen3,
+        sliding_window,
+        sliding_layers: vec![sliding_window.is_some(); num_layers],
+    })
+}
