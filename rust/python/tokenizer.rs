@@ -17,7 +17,13 @@ pub struct PyTokenizer {
 
 #[pymethods]
 impl PyTokenizer {
-    /// Loads the tokenizer files of a model folder (no weights).
+    /// Loads a tokenizer (no weights): a GGUF file's, or a model folder's tokenizer files.
+    #[staticmethod]
+    fn load(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        Self::from_dir(py, path)
+    }
+
+    /// Loads the tokenizer files of a model folder (or a GGUF file's tokenizer; no weights).
     #[staticmethod]
     fn from_dir(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let tok = py.detach(|| Tokenizer::load(&path)).map_err(to_pyerr)?;
