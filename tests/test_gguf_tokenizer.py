@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from strata_rs import ModelLoadError, Tokenizer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_q4_1_tokens.json"

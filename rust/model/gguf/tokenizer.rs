@@ -824,7 +824,10 @@ const PRE_TOKENIZERS: &[PreEntry] = &[
 
 /// The pre-tokenizer `tokenizer.ggml.pre` names; a file without one gets llama.cpp's "default".
 fn pre_tokenizer(pre: Option<&str>) -> Result<PreTokenizer, String> {
-    let name = pre.unwrap_or("default");
+    let name = pre.unwrap_or_else(|| {
+        log::warn!("{KEY_PRE}: missing; llama.cpp's \"default\" pre-tokenizer is used");
+        "default"
+    });
     PRE_TOKENIZERS
         .iter()
         .find(|(names, ..)| names.contains(&name))
