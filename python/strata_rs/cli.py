@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0)
 
     b = sub.add_parser("bench", help="time prefill and decode of a model on this machine")
-    b.add_argument("--model", type=Path, required=True, help="Hugging Face model folder")
+    b.add_argument(
+        "--model", type=Path, required=True, help="Hugging Face model folder or GGUF file"
+    )
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     b.add_argument("--prefill", type=_int_list, default=[512, 2048], help="prompt lengths")
@@ -162,13 +164,13 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "serve",
-        help="run the OpenAI-compatible HTTP server (without --model: the built-in demo model)",
+        help="run the OpenAI-compatible HTTP server (without --model: the demo model, SmolLM2)",
     )
     s.add_argument(
         "--model",
         type=Path,
         default=None,
-        help="Hugging Face model folder (default: a tiny random-weight demo model)",
+        help="model folder or GGUF file (default: the demo model, SmolLM2-135M-Instruct)",
     )
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")

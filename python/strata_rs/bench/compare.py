@@ -243,7 +243,11 @@ class _Strata:
 
 
 def load_peer(name: str, spec: CompareSpec, threads: int, dtype: str, workdir: Path) -> Any:
-    """Constructs the peer (imports it); llama.cpp first gets a GGUF export of the folder."""
+    """Constructs the peer (imports it). llama.cpp runs a GGUF model's own file, and a folder
+    as a GGUF export of it; the other peers read Hugging Face folders only."""
+    model_is_gguf = Path(spec.model).suffix == ".gguf"
+    if model_is_gguf and name != "llama.cpp":
+        raise ValueError(f"{name} reads Hugging Face folders, not GGUF files")
     if name == "transformers":
         from strata_rs.bench.peer_transformers import TransformersPeer
 
@@ -255,7 +259,7 @@ def load_peer(name: str, spec: CompareSpec, threads: int, dtype: str, workdir: P
     if name == "llama.cpp":
         from strata_rs.bench.peer_llama_cpp import LlamaCppPeer
 
-        gguf = spec.gguf
+        gguf = spec.gguf or (Path(spec.model) if model_is_gguf else None)
         if gguf is None:
             from strata_rs.bench.gguf_export import export_gguf
 

