@@ -421,7 +421,12 @@ def test_serve_without_a_model_runs_the_demo_model() -> None:
         r = httpx.post(
             s.url + "/v1/chat/completions",
             json={
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "What is the capital of France? Answer in one sentence.",
+                    }
+                ],
                 "max_tokens": 16,
                 "temperature": 0,
             },

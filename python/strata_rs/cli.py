@@ -287,6 +287,24 @@ def _parser() -> argparse.ArgumentParser:
         "(off by default: the log never holds what users wrote)",
     )
 
+    c = sub.add_parser(
+        "chat", help="chat with a model in the terminal (without --model: the demo model)"
+    )
+    c.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model folder or GGUF file (default: the demo model, SmolLM2-135M-Instruct)",
+    )
+    c.add_argument("--max-tokens", type=int, default=512, help="longest answer (default 512)")
+    c.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature (0: greedy)"
+    )
+    c.add_argument("--threads", type=int, default=None, help="compute threads (default: all)")
+    c.add_argument(
+        "--stats", action="store_true", help="after each answer: tokens, time, cached tokens"
+    )
+
     i = sub.add_parser("info", help="show what a model folder is and how it would load")
     i.add_argument("--model", type=Path, required=True)
     i.add_argument("--device", default="cpu")
@@ -375,6 +393,35 @@ def _print_bench(r: dict[str, Any]) -> None:
         print(f"read bandwidth over {size / 2**20:8.0f} MiB: {gbs:6.1f} GB/s")
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from strata_rs import StrataError
+    from strata_rs.chat import chat_loop
+    from strata_rs.demo import DemoNotInstalled, demo_model_path
+
+    model = args.model
+    if model is None:
+        try:
+            model = demo_model_path()
+        except DemoNotInstalled as e:
+            print(f"strata-rs chat: no --model given, and {e}", file=sys.stderr)
+            return 2
+    try:
+        return asyncio.run(
+            chat_loop(
+                model,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                threads=args.threads,
+                stats=args.stats,
+            )
+        )
+    except StrataError as e:
+        print(f"strata-rs: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "make-model":
@@ -386,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "serve":
         return _serve(args)
+    if args.command == "chat":
+        return _chat(args)
 
     from strata_rs import StrataError
 
