@@ -22,7 +22,7 @@
 
 use super::activation::Act;
 use super::iq4::LEVELS;
-use super::kquants::{scales_k4, scales_q3k};
+use super::kquants::{scales_k4_u64, scales_q3k_u64};
 use super::linear::{Out, QuantMatRef};
 use super::QuantType;
 use std::arch::x86_64::*;
@@ -71,6 +71,61 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
     }
     true
 }
+
+/// Index and level tables, built at compile time: vectors built from scalar stores in a hot
+/// loop cost a store-forwarding stall each (measured: 10x slower kernels).
+#[repr(C, align(64))]
+struct Tables {
+    /// i16 lane `l` -> per-32 scale `2c + l / 16` (chunk `c` of 64 weights).
+    k32: [[i16; 32]; 4],
+    /// i16 lane `l` -> per-16 scale `4c + l / 8`.
+    k16: [[i16; 32]; 4],
+    /// i32 lane `l` -> per-32 scale `2c + l / 8`.
+    x32: [[i32; 16]; 4],
+    /// `red_pairs`' final permutes (block b, block b + 1).
+    pairs: [[i32; 16]; 2],
+    /// i16 lane `s` -> `s / 2`.
+    dup: [i16; 16],
+    /// The IQ4 levels + 128, as bytes.
+    levels: [u8; 16],
+}
+
+static TABLES: Tables = {
+    let mut t = Tables {
+        k32: [[0; 32]; 4],
+        k16: [[0; 32]; 4],
+        x32: [[0; 16]; 4],
+        pairs: [[0; 16]; 2],
+        dup: [0; 16],
+        levels: [0; 16],
+    };
+    let mut c = 0;
+    while c < 4 {
+        let mut l = 0;
+        while l < 32 {
+            t.k32[c][l] = (2 * c + l / 16) as i16;
+            t.k16[c][l] = (4 * c + l / 8) as i16;
+            if l < 16 {
+                t.x32[c][l] = (2 * c + l / 8) as i32;
+            }
+            l += 1;
+        }
+        c += 1;
+    }
+    // Lane 4q + j of `red_pairs`' lo (hi): item v[2j + q / 2] (v[8 + ..]) of block q % 2.
+    let mut i = 0;
+    while i < 16 {
+        let mut blk = 0;
+        while blk < 2 {
+            t.pairs[blk][i] = ((i / 8) * 16 + 8 * (i % 2) + 4 * blk + (i % 8) / 2) as i32;
+            blk += 1;
+        }
+        t.dup[i] = (i / 2) as i16;
+        t.levels[i] = (LEVELS[i] as i32 + 128) as u8;
+        i += 1;
+    }
+    t
+};
 
 const fn has_min(ty: u8) -> bool {
     matches!(ty, Q4_1 | Q5_1 | Q2_K | Q4_K | Q5_K)
@@ -279,16 +334,13 @@ unsafe fn red_pairs(v: &[__m512i; 16]) -> (__m512i, __m512i) {
             _mm512_shuffle_i32x4::<0xDD>(a, b),
         );
     }
-    // Lane 4q + j of lo: item v[2j + q/2] of block q % 2 (hi: v[8 + ..]).
     let lo = quads4(u[0], u[1], u[2], u[3]);
     let hi = quads4(u[4], u[5], u[6], u[7]);
-    let idx = |blk: usize| -> [i32; 16] {
-        std::array::from_fn(|i| ((i / 8) * 16 + 8 * (i % 2) + 4 * blk + (i % 8) / 2) as i32)
-    };
-    let (i0, i1) = (idx(0), idx(1));
+    let i0 = _mm512_load_si512(TABLES.pairs[0].as_ptr().cast());
+    let i1 = _mm512_load_si512(TABLES.pairs[1].as_ptr().cast());
     (
-        _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(i0.as_ptr().cast()), hi),
-        _mm512_permutex2var_epi32(lo, _mm512_loadu_si512(i1.as_ptr().cast()), hi),
+        _mm512_permutex2var_epi32(lo, i0, hi),
+        _mm512_permutex2var_epi32(lo, i1, hi),
     )
 }
 
@@ -357,8 +409,7 @@ unsafe fn load_b32<const TY: u8>(p: *const u8, bb: usize, pair: bool) -> __m512i
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn level_table() -> __m512i {
-    let t: [u8; 16] = std::array::from_fn(|i| (LEVELS[i] as i32 + 128) as u8);
-    _mm512_broadcast_i32x4(_mm_loadu_si128(t.as_ptr().cast()))
+    _mm512_broadcast_i32x4(_mm_loadu_si128(TABLES.levels.as_ptr().cast()))
 }
 
 /// One tile of a 32-weight type, two blocks per step.
@@ -490,11 +541,8 @@ unsafe fn load_k<const TY: u8>(p: *const u8, c: usize) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 unsafe fn dup(v8: __m128i) -> __m256i {
-    let idx: [i16; 16] = std::array::from_fn(|s| (s / 2) as i16);
-    _mm256_permutexvar_epi16(
-        _mm256_loadu_si256(idx.as_ptr().cast()),
-        _mm256_castsi128_si256(v8),
-    )
+    let idx = _mm256_loadu_si256(TABLES.dup.as_ptr().cast());
+    _mm256_permutexvar_epi16(idx, _mm256_castsi128_si256(v8))
 }
 
 /// One row's super-block scales as vectors.
@@ -511,10 +559,9 @@ struct KScales {
 unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
     match TY {
         Q4_K | Q5_K => {
-            let s: [u8; 12] = std::ptr::read_unaligned(p.add(4).cast());
-            let (sc, mn) = scales_k4(&s);
-            let sc16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(sc.as_ptr().cast()));
-            let mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr().cast()));
+            let (sc, mn) = scales_k4_u64(std::slice::from_raw_parts(p.add(4), 12));
+            let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
+            let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
             KScales {
                 sc: _mm512_castsi128_si512(sc16),
                 side: dup(mn16),
@@ -532,8 +579,9 @@ unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
         }
         Q3_K | Q6_K => {
             let sc = if TY == Q3_K {
-                let s = scales_q3k(std::slice::from_raw_parts(p.add(96), 12));
-                _mm256_cvtepi8_epi16(_mm_loadu_si128(s.as_ptr().cast()))
+                let (a, b) = scales_q3k_u64(std::slice::from_raw_parts(p.add(96), 12));
+                let u = _mm256_cvtepu8_epi16(_mm_set_epi64x(b as i64, a as i64));
+                _mm256_sub_epi16(u, _mm256_set1_epi16(32))
             } else {
                 _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()))
             };
@@ -544,12 +592,17 @@ unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
             }
         }
         IQ4_XS => {
-            let high = (p.add(2) as *const u16).read_unaligned();
-            let ls: [i16; 8] = std::array::from_fn(|j| {
-                let lo = ((*p.add(4 + j / 2) >> (4 * (j % 2))) & 15) as i16;
-                lo | (((high >> (2 * j)) & 3) as i16) << 4
-            });
-            let ls = _mm_sub_epi16(_mm_loadu_si128(ls.as_ptr().cast()), _mm_set1_epi16(32));
+            // ls_j: nibble j of scales_l (a u32) below bits 2j of scales_h.
+            let high = (p.add(2) as *const u16).read_unaligned() as u64;
+            let low = (p.add(4) as *const u32).read_unaligned() as u64;
+            let mut ls = 0u64;
+            for j in 0..8 {
+                ls |= (((low >> (4 * j)) & 15) | ((high >> (2 * j)) & 3) << 4) << (8 * j);
+            }
+            let ls = _mm_sub_epi16(
+                _mm_cvtepu8_epi16(_mm_cvtsi64_si128(ls as i64)),
+                _mm_set1_epi16(32),
+            );
             KScales {
                 sc: _mm512_castsi128_si512(ls),
                 side: dup(_mm_mullo_epi16(ls, _mm_set1_epi16(-128))),
@@ -567,19 +620,19 @@ unsafe fn chunk_scales<const TY: u8>(s: &KScales, c: usize) -> __m512i {
     match TY {
         // i16 lane l covers weights 2l, 2l + 1: per-32 scale 2c + l / 16.
         Q4_K | Q5_K => {
-            let idx: [i16; 32] = std::array::from_fn(|l| (2 * c + l / 16) as i16);
-            _mm512_permutexvar_epi16(_mm512_loadu_si512(idx.as_ptr().cast()), s.sc)
+            let idx = _mm512_load_si512(TABLES.k32[c].as_ptr().cast());
+            _mm512_permutexvar_epi16(idx, s.sc)
         }
         // Per-16 scale 4c + l / 8.
         Q2_K | Q3_K | Q6_K => {
-            let idx: [i16; 32] = std::array::from_fn(|l| (4 * c + l / 8) as i16);
-            _mm512_permutexvar_epi16(_mm512_loadu_si512(idx.as_ptr().cast()), s.sc)
+            let idx = _mm512_load_si512(TABLES.k16[c].as_ptr().cast());
+            _mm512_permutexvar_epi16(idx, s.sc)
         }
         // i32 lane l covers weights 4l .. 4l + 3: per-32 scale 2c + l / 8.
         IQ4_XS => {
             let sc32 = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(s.sc));
-            let idx32: [i32; 16] = std::array::from_fn(|l| (2 * c + l / 8) as i32);
-            _mm512_permutexvar_epi32(_mm512_loadu_si512(idx32.as_ptr().cast()), sc32)
+            let idx = _mm512_load_si512(TABLES.x32[c].as_ptr().cast());
+            _mm512_permutexvar_epi32(idx, sc32)
         }
         _ => unreachable!(),
     }
@@ -619,23 +672,25 @@ unsafe fn tile_k<const TY: u8, const R: usize, const T: usize>(
         for (r, row) in rows.iter().enumerate() {
             let p = row.add(sb * bb);
             let sc = k_scales::<TY>(p);
+            // This row's accumulators in registers over the four chunks; stored once.
+            let mut a = [_mm512_setzero_si512(); T];
             for c in 0..4 {
                 let wv = load_k::<TY>(p, c);
                 let cs = chunk_scales::<TY>(&sc, c);
-                for (t, &tok) in toks.iter().enumerate() {
-                    let xv =
-                        _mm512_loadu_si512(act.qs.as_ptr().add(tok * k + 256 * sb + 64 * c).cast());
-                    let a = &mut v[t * R + r];
-                    *a = if TY == IQ4_XS {
+                for (at, &tok) in a.iter_mut().zip(&toks) {
+                    let xp = act.qs.as_ptr().add(tok * k + 256 * sb + 64 * c);
+                    let xv = _mm512_loadu_si512(xp.cast());
+                    *at = if TY == IQ4_XS {
                         let d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-                        _mm512_add_epi32(*a, _mm512_mullo_epi32(d, cs))
+                        _mm512_add_epi32(*at, _mm512_mullo_epi32(d, cs))
                     } else {
-                        _mm512_dpwssd_epi32(*a, _mm512_maddubs_epi16(wv, xv), cs)
+                        _mm512_dpwssd_epi32(*at, _mm512_maddubs_epi16(wv, xv), cs)
                     };
                 }
             }
-            for (t, b) in bs.iter().enumerate() {
-                side[t * R + r] = _mm256_madd_epi16(sc.side, *b);
+            for t in 0..T {
+                v[t * R + r] = a[t];
+                side[t * R + r] = _mm256_madd_epi16(sc.side, bs[t]);
             }
         }
         let (i1, i2) = if has_min(TY) {

@@ -21,14 +21,24 @@ use super::{f16_at, put_f16, round_i, QuantType, Unpacked};
 /// 2 bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the low 4 bits of scale
 /// (low nibble) and min (high nibble) 4-7.
 pub(super) fn scales_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
-    for j in 0..4 {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 15) | (s[j] >> 6) << 4;
-        mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
-    }
-    (sc, mn)
+    let (sc, mn) = scales_k4_u64(s);
+    (sc.to_le_bytes(), mn.to_le_bytes())
+}
+
+/// [`scales_k4`] as two u64 of 8 bytes each, computed four bytes at a time (what the SIMD
+/// paths move into a vector register without a trip through memory).
+#[inline]
+pub(super) fn scales_k4_u64(s: &[u8]) -> (u64, u64) {
+    let word = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (a, b, c) = (word(0), word(4), word(8));
+    let sc_lo = a & 0x3F3F_3F3F;
+    let mn_lo = b & 0x3F3F_3F3F;
+    let sc_hi = (c & 0x0F0F_0F0F) | ((a >> 6) & 0x0303_0303) << 4;
+    let mn_hi = ((c >> 4) & 0x0F0F_0F0F) | ((b >> 6) & 0x0303_0303) << 4;
+    (
+        sc_lo as u64 | (sc_hi as u64) << 32,
+        mn_lo as u64 | (mn_hi as u64) << 32,
+    )
 }
 
 fn pack_scales_k4(sc: &[u8; 8], mn: &[u8; 8], s: &mut [u8]) {
@@ -42,13 +52,27 @@ fn pack_scales_k4(sc: &[u8; 8], mn: &[u8; 8], s: &mut [u8]) {
 /// The 16 signed 6-bit scales of Q3_K: low 4 bits of scale `s` in byte `s % 8` (low nibble for
 /// `s < 8`, high after), top 2 bits in byte `8 + s % 4` at shift `2 (s / 4)`; minus 32.
 pub(super) fn scales_q3k(s: &[u8]) -> [i8; 16] {
+    let (a, b) = scales_q3k_u64(s);
     let mut out = [0i8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        let lo = (s[i % 8] >> (4 * (i / 8))) & 15;
-        let hi = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
-        *o = (lo | hi << 4) as i8 - 32;
+    for (o, v) in out
+        .iter_mut()
+        .zip(a.to_le_bytes().into_iter().chain(b.to_le_bytes()))
+    {
+        *o = v as i8 - 32;
     }
     out
+}
+
+/// [`scales_q3k`] before the -32, as two u64 of 8 bytes (scales 0-7, 8-15).
+#[inline]
+pub(super) fn scales_q3k_u64(s: &[u8]) -> (u64, u64) {
+    let a = u64::from_le_bytes(s[..8].try_into().unwrap());
+    let h = u32::from_le_bytes(s[8..12].try_into().unwrap()) as u64;
+    let m2 = 0x0303_0303u64;
+    let hi0 = (h & m2) | ((h >> 2) & m2) << 32;
+    let hi1 = ((h >> 4) & m2) | ((h >> 6) & m2) << 32;
+    let m4 = 0x0F0F_0F0F_0F0F_0F0Fu64;
+    ((a & m4) | hi0 << 4, ((a >> 4) & m4) | hi1 << 4)
 }
 
 fn pack_scales_q3k(sc: &[i8; 16], s: &mut [u8]) {

@@ -652,3 +652,163 @@ mod tests {
         }
     }
 }
+
+/// Speed checks (not run by default):
+/// `CARGO_PROFILE_DEV_OPT_LEVEL=3 cargo test --lib -- --ignored --nocapture timing_quant`.
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use std::time::Instant;
+
+    /// Best of `reps` runs: robust to other processes on a shared machine.
+    fn best(reps: usize, mut f: impl FnMut()) -> f64 {
+        f();
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// Plain parallel read of the same bytes (the bandwidth ceiling).
+    fn read_all(w: &[u8]) -> u64 {
+        w.par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0u64; 8];
+                for ch in c.chunks_exact(64) {
+                    for l in 0..8 {
+                        acc[l] = acc[l].wrapping_add(u64::from_le_bytes(
+                            ch[8 * l..8 * l + 8].try_into().unwrap(),
+                        ));
+                    }
+                }
+                acc.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+            })
+            .reduce(|| 0, |a, b| a.wrapping_add(b))
+    }
+
+    #[test]
+    #[ignore]
+    fn timing_quant() {
+        let threads = rayon::current_num_threads();
+        let isa = std::env::var("QUANT_ISA").map_or(Isa::detect(), |v| match v.as_str() {
+            "scalar" => Isa::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            "avx2" => Isa::Avx2,
+            _ => Isa::detect(),
+        });
+        println!("{isa:?}, {threads} threads");
+        // QUANT_ONE="Q4_K 512 2048 2048 reps": one configuration only (for `perf stat`).
+        if let Ok(one) = std::env::var("QUANT_ONE") {
+            let f: Vec<&str> = one.split_whitespace().collect();
+            let ty = QuantType::from_name(f[0]).unwrap();
+            let [n, m, k, reps] = [1, 2, 3, 4].map(|i| f[i].parse::<usize>().unwrap());
+            let rb = ty.row_bytes(k).unwrap();
+            let mut row = vec![0u8; rb];
+            let xs: Vec<f32> = (0..k)
+                .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            super::super::quantize_row(ty, &xs, &mut row);
+            let data: Vec<u8> = (0..m).flat_map(|_| row.iter().copied()).collect();
+            let w = QuantMatRef {
+                ty,
+                data: &data,
+                rows: m,
+                cols: k,
+            };
+            let x: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 31) % 997) as f32 / 500.0 - 1.0)
+                .collect();
+            let mut y = vec![0f32; n * m];
+            let mut scratch = QuantScratch::new(threads, n, k);
+            let t = best(reps, || {
+                linear_group_with(
+                    isa,
+                    &x,
+                    n,
+                    &mut [QuantOut {
+                        w,
+                        bias: None,
+                        y: &mut y,
+                    }],
+                    &mut scratch,
+                )
+            });
+            println!(
+                "{one}: best {:.1} us, {:.1} GMAC/s",
+                t * 1e6,
+                (n * m * k) as f64 / t / 1e9
+            );
+            return;
+        }
+        for ty in [
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+            QuantType::Q8_0,
+            QuantType::Q4_1,
+            QuantType::Q4_0,
+            QuantType::Q5_K,
+        ] {
+            for &(m, k) in &[(2048usize, 2048usize), (8192, 2048)] {
+                let rb = ty.row_bytes(k).unwrap();
+                // Valid blocks with varied bytes: one quantized row, repeated with noise
+                // in the integer bytes (the f16 scales stay finite).
+                let mut row = vec![0u8; rb];
+                let xs: Vec<f32> = (0..k)
+                    .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
+                    .collect();
+                super::super::quantize_row(ty, &xs, &mut row);
+                let data: Vec<u8> = (0..m).flat_map(|_| row.iter().copied()).collect();
+                let w = QuantMatRef {
+                    ty,
+                    data: &data,
+                    rows: m,
+                    cols: k,
+                };
+                let x: Vec<f32> = (0..512 * k)
+                    .map(|i| ((i * 31) % 997) as f32 / 500.0 - 1.0)
+                    .collect();
+                let mut y = vec![0f32; 512 * m];
+                let mut scratch = QuantScratch::new(threads, 512, k);
+                let mut run = |n: usize| {
+                    linear_group_with(
+                        isa,
+                        &x[..n * k],
+                        n,
+                        &mut [QuantOut {
+                            w,
+                            bias: None,
+                            y: &mut y[..n * m],
+                        }],
+                        &mut scratch,
+                    )
+                };
+                let (mut t1, mut tr) = (f64::INFINITY, f64::INFINITY);
+                for _ in 0..5 {
+                    t1 = t1.min(best(20, || run(1)));
+                    tr = tr.min(best(20, || {
+                        std::hint::black_box(read_all(&data));
+                    }));
+                }
+                let t8 = best(5, || run(8));
+                let t512 = best(2, || run(512));
+                let gb = |t: f64| data.len() as f64 / t / 1e9;
+                let gmac = |n: usize, t: f64| (n * m * k) as f64 / t / 1e9;
+                println!(
+                    "{:5} [{m},{k}] n=1 {:7.1} us {:5.1} GB/s (read {:5.1} GB/s) | n=8 {:7.1} us \
+                     {:5.1} GMAC/s | n=512 {:7.2} ms {:6.1} GMAC/s",
+                    ty.name(),
+                    t1 * 1e6,
+                    gb(t1),
+                    gb(tr),
+                    t8 * 1e6,
+                    gmac(8, t8),
+                    t512 * 1e3,
+                    gmac(512, t512)
+                );
+            }
+        }
+    }
+}
