@@ -11,8 +11,9 @@ use strata_rs::engine::runner::ModelRunner;
 use strata_rs::kv::blocks::KvDtype;
 use strata_rs::model::forward::{LogitsWanted, SeqChunk};
 use strata_rs::model::kernels::cpu::attention::{
-    paged_attention, AttnRow, AttnScratch, KvData, KvLayer,
+    k_index, paged_attention, AttnRow, AttnScratch, KvData, KvLayer,
 };
+use strata_rs::model::kernels::cpu::kv_q8;
 use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
 use strata_rs::model::kernels::cpu::{MatRef, WeightData};
 use strata_rs::model::testing::TestModel;
@@ -68,17 +69,23 @@ fn bench_attention(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500));
     let (n_heads, kv_heads, head_dim, block_size) = (9usize, 3usize, 64usize, 16usize);
     let threads = rayon::current_num_threads();
-    for &ctx in &[512usize, 2048] {
+    for &ctx in &[512usize, 2048, 8192] {
         let blocks = ctx.div_ceil(block_size);
         let len = blocks * block_size * kv_heads * head_dim;
         let (k, v) = (values(len, 3), values(len, 4));
         let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
         let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let kb: Vec<bf16> = k.iter().map(|&x| bf16::from_f32(x)).collect();
+        let vb: Vec<bf16> = v.iter().map(|&x| bf16::from_f32(x)).collect();
+        let (kq, vq) = q8_0_kv(&k, &v, block_size, kv_heads, head_dim);
         // Reversed block order: a non-contiguous table like a real pool's.
         let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let q8_row = kv_q8::row_bytes(head_dim) as f64 / head_dim as f64;
         for (name, kd, vd, size) in [
-            ("f32", KvData::F32(&k), KvData::F32(&v), 4),
-            ("f16", KvData::F16(&k16), KvData::F16(&v16), 2),
+            ("f32", KvData::F32(&k), KvData::F32(&v), 4.0),
+            ("f16", KvData::F16(&k16), KvData::F16(&v16), 2.0),
+            ("bf16", KvData::Bf16(&kb), KvData::Bf16(&vb), 2.0),
+            ("q8_0", KvData::Q8_0(&kq), KvData::Q8_0(&vq), q8_row),
         ] {
             let kv = KvLayer {
                 k: kd,
@@ -97,7 +104,7 @@ fn bench_attention(c: &mut Criterion) {
             let mut scratch = AttnScratch::new(1, n_heads, head_dim, threads);
             let scale = 1.0 / (head_dim as f32).sqrt();
             g.throughput(Throughput::Bytes(
-                (2 * ctx * kv_heads * head_dim * size) as u64,
+                (2.0 * (ctx * kv_heads * head_dim) as f64 * size) as u64,
             ));
             g.bench_function(format!("ctx{ctx}_{name}"), |b| {
                 b.iter(|| {
@@ -117,6 +124,27 @@ fn bench_attention(c: &mut Criterion) {
         }
     }
     g.finish();
+}
+
+/// f32 K/V (the kernel's f32 layouts) quantized to q8_0 token by token, as the pool writes it.
+fn q8_0_kv(k: &[f32], v: &[f32], bs: usize, kvh: usize, hd: usize) -> (Vec<u8>, Vec<u8>) {
+    let slots = k.len() / (kvh * hd);
+    let bytes = slots * kvh * kv_q8::row_bytes(hd);
+    let (mut kq, mut vq) = (vec![0u8; bytes], vec![0u8; bytes]);
+    for slot in 0..slots {
+        let kr: Vec<f32> = (0..kvh * hd)
+            .map(|e| k[k_index(slot, e / hd, e % hd, bs, kvh, hd)])
+            .collect();
+        kv_q8::write_k(&mut kq, slot, &kr, bs, kvh, hd);
+        kv_q8::write_v(
+            &mut vq,
+            slot,
+            &v[slot * kvh * hd..(slot + 1) * kvh * hd],
+            kvh,
+            hd,
+        );
+    }
+    (kq, vq)
 }
 
 /// A 512-row prefill chunk of one sequence (positions `ctx - 512..ctx`), f16 K/V.

@@ -189,6 +189,41 @@ fn f16_kv_cache_chunks_consistently_and_tracks_f32_kv() {
     }
 }
 
+/// bf16 and q8_0 K/V (chosen for f32 weights) give the same logits whether a prompt is read at
+/// once or in chunks that read the earlier chunks' K/V from the pool, and stay close to f32 K/V.
+#[test]
+fn bf16_and_q8_0_kv_caches_chunk_consistently_and_track_f32_kv() {
+    for family in ["llama", "qwen3"] {
+        let dir = tempfile::tempdir().unwrap();
+        TestModel::tiny(family).write(dir.path()).unwrap();
+        let tokens = ids(300, 256, 6);
+        let f32_kv = runner_kv(dir.path(), 512, KvDtype::F32)
+            .all_logits(&tokens)
+            .unwrap();
+        for kv_dtype in [KvDtype::Bf16, KvDtype::Q8_0] {
+            let mut r = runner_kv(dir.path(), 512, kv_dtype);
+            assert_eq!(r.kv.kv_dtype(), kv_dtype);
+            let at_once = r.all_logits(&tokens).unwrap();
+            let tol = 1e-4 * range(&at_once);
+            for step in [1, 7] {
+                let chunked = runner_kv(dir.path(), step, kv_dtype)
+                    .all_logits(&tokens)
+                    .unwrap();
+                let d = max_abs_diff(&at_once, &chunked);
+                assert!(
+                    d <= tol,
+                    "{family} {kv_dtype:?}: step {step}: max diff {d} > {tol}"
+                );
+            }
+            let d = max_abs_diff(&f32_kv, &at_once);
+            assert!(
+                d <= 0.05 * range(&f32_kv),
+                "{family}: {kv_dtype:?} vs f32 K/V differ by {d}"
+            );
+        }
+    }
+}
+
 fn argmax(x: &[f32]) -> usize {
     (0..x.len()).max_by(|&i, &j| x[i].total_cmp(&x[j])).unwrap()
 }

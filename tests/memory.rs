@@ -78,8 +78,9 @@ fn a_runner_accounts_its_weights_kv_and_workspace_and_releases_them() {
             assert!(weights < file.len(), "{case}: the tensors, not the header");
         }
 
-        let block_bytes = shape.layers * 2 * BLOCK_SIZE * shape.kv_heads * shape.head_dim;
-        let kv = (KV_BLOCKS * block_bytes * kv_dtype.size()) as u64;
+        let block_bytes =
+            shape.layers * 2 * BLOCK_SIZE * shape.kv_heads * kv_dtype.row_bytes(shape.head_dim);
+        let kv = (KV_BLOCKS * block_bytes) as u64;
         assert_eq!(memory.in_use(Purpose::Kv), kv, "{case}");
         assert_eq!(runner.kv.storage_bytes() as u64, kv, "{case}: as allocated");
 

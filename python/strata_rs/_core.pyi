@@ -385,6 +385,7 @@ class Engine:
         device_memory_mib: str | int | Sequence[int] | None = None,
         layer_split: str | int | Sequence[int] | None = None,
         vram_reserve_mib: int = 1024,
+        kv_dtype: str | None = None,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
         DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
@@ -393,7 +394,13 @@ class Engine:
         max_batch: sequences decoding at once. max_context: longest sequence (default: the
         model's). kv_memory_mib: K/V pool budget (default: one max_context sequence, at most
         2 GiB). max_batch_tokens: tokens per forward step (prefill chunk size). max_waiting:
-        requests that may wait for admission before EngineBusy.
+        requests that may wait for admission before EngineBusy. kv_dtype (keyword-only): the K/V
+        cache's format, "f32", "f16", "bf16" or "q8_0" (8-bit: groups of 32 int8 with one f16
+        scale, 34 bytes per 32 values, about half of f16's: twice the context and conversations
+        in every cache tier, at a small cost in agreement, docs/operations.md); default: f32 K/V
+        for f32 weights, else f16. bf16 and q8_0 run on the CPU only (a GPU refuses them).
+        info["kv_dtype"] shows it. A disk tier's files are one format's: a restart with another
+        kv_dtype neither adopts nor reads them.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

@@ -62,6 +62,9 @@ pub struct EngineOptions {
     pub max_waiting: usize,
     /// K/V pool budget; `None`: enough for `max_context` tokens, at most 2 GiB.
     pub kv_memory_mib: Option<usize>,
+    /// Format of the K/V cache ("f32", "f16", "bf16", "q8_0": [`KvDtype::parse`]); `None`: from
+    /// the weights ([`KvDtype::for_weights`]).
+    pub kv_dtype: Option<String>,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
     pub max_context: Option<usize>,
     /// The conversation cache below the device.
@@ -86,6 +89,7 @@ impl Default for EngineOptions {
             max_batch: 8,
             max_waiting: 256,
             kv_memory_mib: None,
+            kv_dtype: None,
             max_context: None,
             cache: CacheOptions::default(),
             device_memory_mib: None,
@@ -104,7 +108,7 @@ pub struct EngineInfo {
     pub format: &'static str,
     pub config: ModelConfig,
     pub dtype: &'static str,
-    /// Format of the K/V cache ("f32" or "f16").
+    /// Format of the K/V cache ("f32", "f16", "bf16" or "q8_0").
     pub kv_dtype: &'static str,
     pub device: String,
     pub threads: usize,
@@ -244,6 +248,12 @@ impl DeviceSizing<'_> {
 impl Engine {
     /// Loads the model folder and starts the engine thread. Blocking: run it off the event loop.
     pub fn load(dir: &Path, opts: EngineOptions) -> Result<Engine> {
+        let kv_choice = opts.kv_dtype.as_deref().map(KvDtype::parse).transpose()?;
+        if let (Device::Cuda(_), Some(d @ (KvDtype::Bf16 | KvDtype::Q8_0))) =
+            (&opts.device, kv_choice)
+        {
+            return Err(cuda_kv_refusal(d));
+        }
         device::check_available(&opts.device)?;
         let devices = opts.device.members();
         let capacities: Vec<Option<u64>> = match &opts.device_memory_mib {
@@ -307,9 +317,10 @@ impl Engine {
             Some(n) => n,
             None => config.max_position_embeddings,
         };
-        // f32 weights keep exact f32 K/V; f16/bf16 weights get f16 K/V (llama.cpp's default),
-        // which halves the bytes attention reads per token.
-        let kv_dtype = KvDtype::for_weights(model.dtype);
+        // Unless kv_dtype says otherwise, f32 weights keep exact f32 K/V and f16/bf16 (and
+        // quantized) weights get f16 K/V (llama.cpp's default), which halves the bytes attention
+        // reads per token.
+        let kv_dtype = kv_choice.unwrap_or_else(|| KvDtype::for_weights(model.dtype));
         let block_bytes = BlockPool::block_bytes(
             config.num_layers,
             BLOCK_SIZE,
@@ -370,7 +381,7 @@ impl Engine {
         let salt = fingerprint(&source, &config, kv_dtype, BLOCK_SIZE);
         let layout = BlockLayout {
             salt,
-            kv_dtype: kv_dtype.size() as u8,
+            kv_dtype: kv_dtype.code(),
             block_size: BLOCK_SIZE as u32,
             num_layers: config.num_layers as u32,
             kv_heads: config.num_kv_heads as u32,
@@ -779,6 +790,17 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// The refusal of a K/V format the CUDA backend has no kernels for (it reads f32 and f16 K/V).
+pub fn cuda_kv_refusal(d: KvDtype) -> StrataError {
+    StrataError::invalid(
+        "kv_dtype",
+        format!(
+            "{:?} K/V runs on the CPU only; the CUDA backend reads f32 or f16 K/V",
+            d.name()
+        ),
+    )
+}
+
 /// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
 /// header and a sample of its bytes), the K/V format, layout and block size, so that cached K/V
 /// never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
@@ -792,7 +814,7 @@ fn fingerprint(
     use xxhash_rust::xxh3::xxh3_64;
     let mut parts: Vec<u64> = vec![
         block_size as u64,
-        kv_dtype.size() as u64,
+        u64::from(kv_dtype.code()),
         crate::kv::blocks::KV_LAYOUT_VERSION,
     ];
     parts.push(config.vocab_size as u64);

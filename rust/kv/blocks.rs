@@ -2,8 +2,10 @@
 //!
 //! Layout per layer: K is `[num_blocks, kv_heads, head_dim, block_size]` (each block's keys
 //! transposed, which the attention kernel scores 16 at a time) and V `[num_blocks, block_size,
-//! kv_heads, head_dim]`, stored as f32 or f16 ([`KvDtype`]; rows are written as f32 and rounded
-//! to nearest). Either way a block is one contiguous range of each array. A
+//! kv_heads, head_dim]`, stored as f32, f16, bf16 or q8_0 ([`KvDtype`]; rows are written as f32
+//! and rounded to nearest, or quantized: q8_0's groups of 32 int8 with an f16 scale keep the
+//! same order, see [`crate::model::kernels::cpu::kv_q8`]). Either way a block is one contiguous
+//! range of bytes of each array, which the tiers below copy as they are. A
 //! sequence owns a block table; its token at position p lives in block `table[p / block_size]`,
 //! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix, and
 //! full blocks can be indexed by their prefix hash ([`PrefixIndex`]) so that a block nobody holds
@@ -12,22 +14,30 @@
 use crate::error::{Result, StrataError};
 use crate::kv::prefix::{Evicted, PrefixIndex};
 use crate::model::kernels::cpu::attention::{k_index, KvData, KvLayer};
+use crate::model::kernels::cpu::kv_q8;
 use crate::model::weights::DType;
-use half::f16;
 use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
 
 /// The version of the block layout above, part of every prefix hash's salt: blocks kept on disk
 /// in an older layout are another format's, never read as this one. 2: K transposed per block.
 pub const KV_LAYOUT_VERSION: u64 = 2;
 
-/// The element type of the K/V cache.
+/// The format of the K/V cache.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvDtype {
     F32,
     F16,
+    Bf16,
+    /// 8-bit: groups of 32 int8 with one f16 scale each (ggml's q8_0, 34 bytes per 32 values).
+    Q8_0,
 }
 
 impl KvDtype {
+    /// Every format, in the order errors list them.
+    pub const ALL: [KvDtype; 4] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16, KvDtype::Q8_0];
+
     /// The cache format for a model's weights: f32 models keep exact f32 K/V; f16 and bf16
     /// models get f16 (llama.cpp's default), which halves the K/V read per decoded token.
     pub fn for_weights(d: DType) -> KvDtype {
@@ -37,11 +47,26 @@ impl KvDtype {
         }
     }
 
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// The format named `name` ("f32", "f16", "bf16", "q8_0"); an error naming the `kv_dtype`
+    /// option and the allowed names otherwise.
+    pub fn parse(name: &str) -> Result<KvDtype> {
+        KvDtype::ALL
+            .into_iter()
+            .find(|d| d.name() == name)
+            .ok_or_else(|| {
+                StrataError::invalid(
+                    "kv_dtype",
+                    format!("{name:?}: must be f32, f16, bf16 or q8_0"),
+                )
+            })
+    }
+
+    /// Bytes of one head's vector of `head_dim` values (one token's K, or V, of one K/V head).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
         match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 => 2,
+            KvDtype::F32 => 4 * head_dim,
+            KvDtype::F16 | KvDtype::Bf16 => 2 * head_dim,
+            KvDtype::Q8_0 => kv_q8::row_bytes(head_dim),
         }
     }
 
@@ -49,13 +74,85 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+            KvDtype::Q8_0 => "q8_0",
+        }
+    }
+
+    /// The format's number in the disk tier's block header and in the engine's fingerprint:
+    /// distinct for every format, so that blocks of one are never read as another's. f32 and
+    /// f16 keep the numbers they had (their element sizes), so existing disk caches stay valid.
+    pub fn code(self) -> u8 {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 => 2,
+            KvDtype::Bf16 => 3,
+            KvDtype::Q8_0 => 8,
         }
     }
 }
 
 enum LayerStore {
-    F32 { k: Vec<f32>, v: Vec<f32> },
-    F16 { k: Vec<f16>, v: Vec<f16> },
+    F32 {
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
+    F16 {
+        k: Vec<f16>,
+        v: Vec<f16>,
+    },
+    Bf16 {
+        k: Vec<bf16>,
+        v: Vec<bf16>,
+    },
+    /// q8_0 bytes in [`kv_q8`]'s K and V layouts.
+    Q8_0 {
+        k: Vec<u8>,
+        v: Vec<u8>,
+    },
+}
+
+impl LayerStore {
+    /// A layer of `bytes` bytes of K and as many of V, all zero (the value 0 in every format).
+    fn zeroed(kv_dtype: KvDtype, bytes: usize) -> std::result::Result<LayerStore, ()> {
+        Ok(match kv_dtype {
+            KvDtype::F32 => LayerStore::F32 {
+                k: zeroed(bytes / 4)?,
+                v: zeroed(bytes / 4)?,
+            },
+            KvDtype::F16 => LayerStore::F16 {
+                k: zeroed(bytes / 2)?,
+                v: zeroed(bytes / 2)?,
+            },
+            KvDtype::Bf16 => LayerStore::Bf16 {
+                k: zeroed(bytes / 2)?,
+                v: zeroed(bytes / 2)?,
+            },
+            KvDtype::Q8_0 => LayerStore::Q8_0 {
+                k: zeroed(bytes)?,
+                v: zeroed(bytes)?,
+            },
+        })
+    }
+
+    /// The K and V arrays as bytes.
+    fn bytes(&self) -> (&[u8], &[u8]) {
+        match self {
+            LayerStore::F32 { k, v } => (as_bytes(k), as_bytes(v)),
+            LayerStore::F16 { k, v } => (as_bytes(k), as_bytes(v)),
+            LayerStore::Bf16 { k, v } => (as_bytes(k), as_bytes(v)),
+            LayerStore::Q8_0 { k, v } => (k, v),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> (&mut [u8], &mut [u8]) {
+        match self {
+            LayerStore::F32 { k, v } => (as_bytes_mut(k), as_bytes_mut(v)),
+            LayerStore::F16 { k, v } => (as_bytes_mut(k), as_bytes_mut(v)),
+            LayerStore::Bf16 { k, v } => (as_bytes_mut(k), as_bytes_mut(v)),
+            LayerStore::Q8_0 { k, v } => (k, v),
+        }
+    }
 }
 
 /// One device's part of every block, in memory the pool cannot address itself (a GPU's): the
@@ -86,10 +183,12 @@ enum KvStore {
     Device(Vec<Box<dyn DeviceKv>>),
 }
 
-/// Element types whose all-zero bit pattern is the value 0.
+/// Element types whose all-zero bit pattern is the value 0 (for u8: a q8_0 zero, q 0 scale 0).
 trait ZeroBits: Copy {}
 impl ZeroBits for f32 {}
 impl ZeroBits for f16 {}
+impl ZeroBits for bf16 {}
+impl ZeroBits for u8 {}
 
 /// A vector of `n` zeros, or an error when the memory is not there. Allocated zeroed (calloc):
 /// the OS backs the pages lazily, so untouched blocks cost no RAM.
@@ -118,12 +217,12 @@ pub struct Allocation {
 
 /// Views K/V elements as bytes (this code runs on little-endian machines only: x86-64, aarch64).
 fn as_bytes<T: ZeroBits>(s: &[T]) -> &[u8] {
-    // SAFETY: f32 and f16 have no padding; any initialized value is valid bytes.
+    // SAFETY: f32, f16, bf16 and u8 have no padding; any initialized value is valid bytes.
     unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
 }
 
 fn as_bytes_mut<T: ZeroBits>(s: &mut [T]) -> &mut [u8] {
-    // SAFETY: as above, and every bit pattern is a valid f32 or f16.
+    // SAFETY: as above, and every bit pattern is a valid f32, f16, bf16 or u8.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
 }
 
@@ -200,7 +299,7 @@ impl BlockPool {
         head_dim: usize,
         kv_dtype: KvDtype,
     ) -> usize {
-        num_layers * 2 * block_size * kv_heads * head_dim * kv_dtype.size()
+        num_layers * 2 * block_size * kv_heads * kv_dtype.row_bytes(head_dim)
     }
 
     pub fn new(
@@ -239,8 +338,9 @@ impl BlockPool {
                 "the K/V budget holds no block; raise it",
             ));
         }
+        // Bytes of K (and of V) per layer.
         let per_layer = num_blocks
-            .checked_mul(block_size * kv_heads * head_dim)
+            .checked_mul(block_size * kv_heads * kv_dtype.row_bytes(head_dim))
             .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
         let mut layers = Vec::with_capacity(num_layers);
         // The budget is the caller's (kv_memory_mib, or the default derived from max_context).
@@ -249,24 +349,12 @@ impl BlockPool {
                 "kv_memory_mib",
                 format!(
                     "cannot allocate the K/V pool ({} MiB)",
-                    num_layers
-                        .saturating_mul(per_layer)
-                        .saturating_mul(2 * kv_dtype.size())
-                        >> 20
+                    num_layers.saturating_mul(per_layer).saturating_mul(2) >> 20
                 ),
             )
         };
         for _ in 0..num_layers {
-            layers.push(match kv_dtype {
-                KvDtype::F32 => LayerStore::F32 {
-                    k: zeroed(per_layer).map_err(oom)?,
-                    v: zeroed(per_layer).map_err(oom)?,
-                },
-                KvDtype::F16 => LayerStore::F16 {
-                    k: zeroed(per_layer).map_err(oom)?,
-                    v: zeroed(per_layer).map_err(oom)?,
-                },
-            });
+            layers.push(LayerStore::zeroed(kv_dtype, per_layer).map_err(oom)?);
         }
         Ok(Self::with_store(
             KvStore::Host(layers),
@@ -437,13 +525,9 @@ impl BlockPool {
         match &self.store {
             KvStore::Host(layers) => layers[self.stages[stage].clone()]
                 .iter()
-                .map(|l| match l {
-                    LayerStore::F32 { k, v } => {
-                        std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
-                    }
-                    LayerStore::F16 { k, v } => {
-                        std::mem::size_of_val(&k[..]) + std::mem::size_of_val(&v[..])
-                    }
+                .map(|l| {
+                    let (k, v) = l.bytes();
+                    k.len() + v.len()
                 })
                 .sum(),
             KvStore::Device(parts) => parts[stage].bytes(),
@@ -481,9 +565,9 @@ impl BlockPool {
         (0..stage).map(|s| self.part_bytes(s)).sum()
     }
 
-    /// The element range of `block` within one layer's K (or V) array.
+    /// The byte range of `block` within one layer's K (or V) array.
     fn block_range(&self, block: u32) -> std::ops::Range<usize> {
-        let n = self.block_size * self.kv_heads * self.head_dim;
+        let n = self.block_size * self.kv_heads * self.kv_dtype.row_bytes(self.head_dim);
         block as usize * n..(block as usize + 1) * n
     }
 
@@ -516,11 +600,8 @@ impl BlockPool {
         let r = self.block_range(block);
         let mut at = 0;
         for layer in &layers[self.stages[stage].clone()] {
-            let (k, v) = match layer {
-                LayerStore::F32 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
-                LayerStore::F16 { k, v } => (as_bytes(&k[r.clone()]), as_bytes(&v[r.clone()])),
-            };
-            for part in [k, v] {
+            let (k, v) = layer.bytes();
+            for part in [&k[r.clone()], &v[r.clone()]] {
                 out[at..at + part.len()].copy_from_slice(part);
                 at += part.len();
             }
@@ -554,17 +635,8 @@ impl BlockPool {
         };
         let mut at = 0;
         for layer in &mut layers[range] {
-            let (k, v) = match layer {
-                LayerStore::F32 { k, v } => (
-                    as_bytes_mut(&mut k[r.clone()]),
-                    as_bytes_mut(&mut v[r.clone()]),
-                ),
-                LayerStore::F16 { k, v } => (
-                    as_bytes_mut(&mut k[r.clone()]),
-                    as_bytes_mut(&mut v[r.clone()]),
-                ),
-            };
-            for part in [k, v] {
+            let (k, v) = layer.bytes_mut();
+            for part in [&mut k[r.clone()], &mut v[r.clone()]] {
                 let n = part.len();
                 copy_streaming(part, &data[at..at + n]);
                 at += n;
@@ -634,8 +706,10 @@ impl BlockPool {
         }
     }
 
-    /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`; an f16
-    /// cache rounds them to nearest. K goes to its transposed place in the block. Host pools only.
+    /// Writes one token's K and V (`kv_heads * head_dim` each) into `slot` of `layer`; an f16 or
+    /// bf16 cache rounds them to nearest, a q8_0 cache quantizes each head's groups of 32 (round
+    /// to nearest, scale amax / 127). K goes to its transposed place in the block. Host pools
+    /// only.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let (bs, kvh, hd) = (self.block_size, self.kv_heads, self.head_dim);
         let d = kvh * hd;
@@ -658,6 +732,16 @@ impl BlockPool {
                 }
                 sv[r].convert_from_f32_slice(v);
             }
+            LayerStore::Bf16 { k: sk, v: sv } => {
+                for (e, &x) in k[..d].iter().enumerate() {
+                    sk[k0 + e * bs] = bf16::from_f32(x);
+                }
+                sv[r].convert_from_f32_slice(v);
+            }
+            LayerStore::Q8_0 { k: sk, v: sv } => {
+                kv_q8::write_k(sk, slot, &k[..d], bs, kvh, hd);
+                kv_q8::write_v(sv, slot, &v[..d], kvh, hd);
+            }
         }
     }
 
@@ -666,6 +750,8 @@ impl BlockPool {
         let (k, v) = match &self.host_layers()[layer] {
             LayerStore::F32 { k, v } => (KvData::F32(k), KvData::F32(v)),
             LayerStore::F16 { k, v } => (KvData::F16(k), KvData::F16(v)),
+            LayerStore::Bf16 { k, v } => (KvData::Bf16(k), KvData::Bf16(v)),
+            LayerStore::Q8_0 { k, v } => (KvData::Q8_0(k), KvData::Q8_0(v)),
         };
         KvLayer {
             k,
@@ -741,12 +827,22 @@ mod tests {
         assert!(pool.allocate(1).is_none());
     }
 
+    /// What a pool of `dtype` gives back for `x` written in a group whose largest magnitude is
+    /// `amax`: exact for these small values (halves, below 256) in f32, f16 and bf16; q8_0
+    /// within half its step.
+    fn close(dtype: KvDtype, got: f32, x: f32, amax: f32) -> bool {
+        match dtype {
+            KvDtype::Q8_0 => (got - x).abs() <= amax / 254.0 * (1.0 + 2f32.powi(-10)),
+            _ => got == x,
+        }
+    }
+
     #[test]
     fn read_block_and_write_block_round_trip_every_layer() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for dtype in KvDtype::ALL {
             let mut pool = BlockPool::new(2, 3, 2, 1, 2, dtype).unwrap();
             let n = pool.bytes_per_block();
-            assert_eq!(n, 2 * 2 * 2 * 2 * dtype.size());
+            assert_eq!(n, 2 * 2 * 2 * dtype.row_bytes(2));
             // Block 1, both rows, both layers, distinct values.
             for layer in 0..2 {
                 for row in 0..2 {
@@ -761,17 +857,15 @@ mod tests {
                 let l = pool.layer(layer);
                 // Block 2 (slots 4, 5) holds what block 1 (slots 2, 3) held.
                 for (slot, d) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-                    assert_eq!(
-                        l.k.get(l.k_index(4 + slot, 0, d)),
-                        l.k.get(l.k_index(2 + slot, 0, d))
-                    );
-                    assert_eq!(
-                        l.v.get(l.v_index(4 + slot, 0, d)),
-                        l.v.get(l.v_index(2 + slot, 0, d))
-                    );
+                    assert_eq!(l.k_at(4 + slot, 0, d), l.k_at(2 + slot, 0, d));
+                    assert_eq!(l.v_at(4 + slot, 0, d), l.v_at(2 + slot, 0, d));
                 }
-                assert_eq!(l.k.get(l.k_index(5, 0, 0)), (layer * 10 + 1) as f32);
-                assert_eq!(l.v.get(11), -((layer * 10 + 1) as f32) - 0.5);
+                let x = (layer * 10 + 1) as f32;
+                assert!(close(dtype, l.k_at(5, 0, 0), x, x + 0.5), "{dtype:?}");
+                assert!(
+                    close(dtype, l.v_at(5, 0, 1), -x - 0.5, x + 0.5),
+                    "{dtype:?}"
+                );
             }
             let mut again = vec![0u8; n];
             pool.read_block(2, &mut again).expect("a host read");
@@ -781,12 +875,12 @@ mod tests {
 
     #[test]
     fn a_split_pool_keeps_each_devices_layers_and_the_same_block_layout() {
-        for dtype in [KvDtype::F32, KvDtype::F16] {
+        for dtype in KvDtype::ALL {
             let mut whole = BlockPool::new(3, 3, 2, 1, 2, dtype).unwrap();
             let mut split = BlockPool::split(&[2, 1], 3, 2, 1, 2, dtype).unwrap();
             assert_eq!((split.num_stages(), whole.num_stages()), (2, 1));
             assert_eq!((split.stage_layers(0), split.stage_layers(1)), (0..2, 2..3));
-            let layer = 2 * 2 * 2 * dtype.size();
+            let layer = 2 * 2 * dtype.row_bytes(2);
             assert_eq!(
                 (split.part_bytes(0), split.part_bytes(1)),
                 (2 * layer, layer)
@@ -814,13 +908,15 @@ mod tests {
             assert_eq!(part, a[split.part_offset(1)..]);
             split.write_block_part(1, 2, &part).expect("a host write");
             let l = split.layer(2);
-            assert_eq!(
-                l.k.get(l.k_index(4, 0, 0)),
-                22.0,
-                "block 1 row 0 of layer 2"
+            assert!(
+                close(dtype, l.k_at(4, 0, 0), 22.0, 22.5),
+                "{dtype:?}: block 1 row 0 of layer 2"
             );
             let l = split.layer(0);
-            assert_eq!(l.k.get(l.k_index(4, 0, 0)), 4.0, "layer 0 untouched");
+            assert!(
+                close(dtype, l.k_at(4, 0, 0), 4.0, 4.5),
+                "{dtype:?}: layer 0 untouched"
+            );
             split.write_block(0, &a).expect("a host write");
             let mut c = vec![0u8; n];
             split.read_block(0, &mut c).expect("a host read");
@@ -884,15 +980,116 @@ mod tests {
     }
 
     #[test]
-    fn dtype_for_weights_and_sizes() {
+    fn bf16_pool_rounds_to_nearest() {
+        let mut pool = BlockPool::new(1, 2, 4, 1, 2, KvDtype::Bf16).unwrap();
+        let x = 1.0 + 1.0 / 3.0;
+        pool.write(0, 5, &[x, 1e30], &[-x, 1e-30]);
+        let l = pool.layer(0);
+        assert!(matches!(l.k, KvData::Bf16(_)));
+        assert_eq!(l.k_at(5, 0, 0), bf16::from_f32(x).to_f32());
+        assert!((l.k_at(5, 0, 0) - x).abs() <= x * 2f32.powi(-8));
+        assert_eq!(
+            l.k_at(5, 0, 1),
+            bf16::from_f32(1e30).to_f32(),
+            "f32's range"
+        );
+        assert_eq!(l.v_at(5, 0, 0), bf16::from_f32(-x).to_f32());
+        assert_eq!(l.v_at(5, 0, 1), bf16::from_f32(1e-30).to_f32());
+    }
+
+    /// A q8_0 pool quantizes each head's vector in groups of 32: every value within amax/254 of
+    /// its group (times 1 + 2^-10, the scale's rounding to f16), other rows, heads and layers
+    /// untouched; block copies move the bytes as they are.
+    #[test]
+    fn q8_0_pool_quantizes_each_group_and_copies_blocks_as_bytes() {
+        let (layers, blocks, bs, kvh, hd) = (2, 3, 16, 2, 40);
+        let mut pool = BlockPool::new(layers, blocks, bs, kvh, hd, KvDtype::Q8_0).unwrap();
+        // 2 heads of 40: a group of 32 and one of 8 each, 40 + 2 * 2 bytes a head.
+        assert_eq!(pool.bytes_per_block(), layers * 2 * bs * kvh * 44);
+        assert_eq!(pool.storage_bytes(), blocks * pool.bytes_per_block());
+        let row = |slot: usize, scale: f32| -> Vec<f32> {
+            (0..kvh * hd)
+                .map(|e| ((e * 37 + slot * 11) % 101) as f32 / 50.0 - 1.0)
+                .map(|x| x * scale)
+                .collect()
+        };
+        for slot in 16..32 {
+            pool.write(1, slot, &row(slot, 3.0), &row(slot + 1, 0.01));
+        }
+        let l = pool.layer(1);
+        for slot in 16..32 {
+            for (x, is_k) in [(row(slot, 3.0), true), (row(slot + 1, 0.01), false)] {
+                for g in 0..kvh {
+                    for (j, group) in x[g * hd..(g + 1) * hd].chunks(32).enumerate() {
+                        let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        for (i, &want) in group.iter().enumerate() {
+                            let d = j * 32 + i;
+                            let got = if is_k {
+                                l.k_at(slot, g, d)
+                            } else {
+                                l.v_at(slot, g, d)
+                            };
+                            assert!(
+                                close(KvDtype::Q8_0, got, want, amax),
+                                "slot {slot} head {g} element {d}: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let zeros = |l: &KvLayer, slot: usize| {
+            (0..kvh)
+                .all(|g| (0..hd).all(|d| l.k_at(slot, g, d) == 0.0 && l.v_at(slot, g, d) == 0.0))
+        };
+        assert!(
+            zeros(&l, 15) && zeros(&l, 32),
+            "neighbouring blocks untouched"
+        );
+        assert!(zeros(&pool.layer(0), 20), "layer 0 untouched");
+        let mut bytes = vec![0u8; pool.bytes_per_block()];
+        pool.read_block(1, &mut bytes).expect("a host read");
+        pool.write_block(2, &bytes).expect("a host write");
+        let l = pool.layer(1);
+        for r in 0..bs {
+            for g in 0..kvh {
+                for d in 0..hd {
+                    assert_eq!(l.k_at(32 + r, g, d), l.k_at(16 + r, g, d));
+                    assert_eq!(l.v_at(32 + r, g, d), l.v_at(16 + r, g, d));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dtype_for_weights_names_and_sizes() {
         assert_eq!(KvDtype::for_weights(DType::F32), KvDtype::F32);
         assert_eq!(KvDtype::for_weights(DType::F16), KvDtype::F16);
         assert_eq!(KvDtype::for_weights(DType::Bf16), KvDtype::F16);
-        assert_eq!(KvDtype::F16.size(), 2);
-        assert_eq!(KvDtype::F32.name(), "f32");
+        for d in KvDtype::ALL {
+            assert_eq!(KvDtype::parse(d.name()).unwrap(), d);
+        }
+        let codes: std::collections::HashSet<u8> = KvDtype::ALL.map(|d| d.code()).into();
+        assert_eq!(codes.len(), 4, "every format its own disk code");
+        assert_eq!(
+            (KvDtype::F32.code(), KvDtype::F16.code()),
+            (4, 2),
+            "as before"
+        );
+        assert_eq!(
+            KvDtype::parse("int8").unwrap_err().to_string(),
+            "kv_dtype: \"int8\": must be f32, f16, bf16 or q8_0"
+        );
+        assert_eq!(KvDtype::F16.row_bytes(64), 128);
+        assert_eq!(KvDtype::Bf16.row_bytes(64), 128);
+        assert_eq!(KvDtype::Q8_0.row_bytes(64), 68, "ggml's 34 bytes per 32");
         assert_eq!(
             BlockPool::block_bytes(30, 16, 3, 64, KvDtype::F32),
             2 * BlockPool::block_bytes(30, 16, 3, 64, KvDtype::F16)
+        );
+        assert_eq!(
+            BlockPool::block_bytes(30, 16, 3, 64, KvDtype::Q8_0) * 64,
+            BlockPool::block_bytes(30, 16, 3, 64, KvDtype::F16) * 34
         );
     }
 }

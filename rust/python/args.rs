@@ -28,6 +28,17 @@ pub fn text(field: &str, s: &Bound<'_, PyString>) -> PyResult<String> {
     })
 }
 
+/// A str argument: an InvalidRequest naming `field` for anything else.
+pub fn string(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    match v.cast::<PyString>() {
+        Ok(s) => text(field, s),
+        Err(_) => Err(bad(
+            field,
+            format!("must be a string, got {}", type_name(v)),
+        )),
+    }
+}
+
 /// A str for a message: the text with unencodable characters replaced (names in errors).
 pub fn lossy(v: &Bound<'_, PyAny>) -> String {
     match v.cast::<PyString>() {

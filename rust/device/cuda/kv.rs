@@ -51,7 +51,7 @@ pub struct KvPartShape {
 impl KvPartShape {
     /// Bytes of one block's part: every layer's K and V.
     pub fn part_bytes(&self) -> usize {
-        self.layers * 2 * self.block_size * self.kv_heads * self.head_dim * self.kv_dtype.size()
+        self.layers * 2 * self.block_size * self.kv_heads * self.kv_dtype.row_bytes(self.head_dim)
     }
 }
 

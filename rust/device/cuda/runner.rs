@@ -540,6 +540,12 @@ impl CudaStage {
             match kv.kv_dtype() {
                 KvDtype::F32 => attend.run::<f32>(dev, kv.data_mut(), &mut out)?,
                 KvDtype::F16 => attend.run::<f16>(dev, kv.data_mut(), &mut out)?,
+                // Refused at load (CudaRunner::new).
+                d @ (KvDtype::Bf16 | KvDtype::Q8_0) => {
+                    return Err(CudaKernelError::Shape(
+                        crate::engine::cuda_kv_refusal(d).to_string(),
+                    ))
+                }
             }
             Self::linear(
                 dev,
@@ -723,6 +729,10 @@ impl CudaRunner {
         layer_counts: &[usize],
         opts: CudaOptions,
     ) -> Result<(CudaRunner, BlockPool)> {
+        // The kernels read f32 or f16 K/V (kernels.rs); bf16 and q8_0 run on the CPU only.
+        if let d @ (KvDtype::Bf16 | KvDtype::Q8_0) = opts.kv_dtype {
+            return Err(crate::engine::cuda_kv_refusal(d));
+        }
         let c = &model.config;
         let quantized = std::iter::once(&model.embed)
             .chain(model.layers.iter().flat_map(|l| l.matrices()))

@@ -2,15 +2,19 @@
 //!
 //! **Layout** (per layer, [`KvLayer`]): K is `[num_blocks, kv_heads, head_dim, block_size]`, each
 //! block's keys transposed, so that element `d` of consecutive keys is contiguous; V is
-//! `[num_blocks, block_size, kv_heads, head_dim]`. Elements are f32 or f16 ([`KvData`]); all
-//! arithmetic is f32.
+//! `[num_blocks, block_size, kv_heads, head_dim]`. Elements are f32, f16 or bf16, or 8-bit
+//! q8_0 groups with f16 scales in the same order ([`KvData`]; the q8_0 layout is in
+//! [`super::kv_q8`]); all arithmetic is f32.
 //!
 //! **Tiles.** Keys are taken 16 at a time (a tile, aligned to a multiple of 16 by absolute
 //! position). A tile's K and V are widened to f32 once and then serve every query head of the
 //! K/V head in up to [`ROW_BLOCK`] consecutive rows of one sequence (a prefill chunk), so a
 //! returning conversation's new rows read and convert their long history once per block of rows
 //! instead of once per row. A tile's 16 scores come out of lane-wise FMAs over the transposed K
-//! (no horizontal sums): four chains over the head's elements, added, times the scale. On
+//! (no horizontal sums): four chains over the head's elements, added, times the scale. Every
+//! stored format widens to f32 exactly (f16 and bf16 are subsets of f32; a q8_0 value is an int8
+//! times an f16 scale, 19 significant bits), so the format changes the values a tile holds,
+//! never the arithmetic on them: q8_0 K/V gives the bits its dequantized f32 copy gives. On
 //! AVX-512 a block of rows computes the tile for 16 (row, query head) lanes at a time with the
 //! lanes in the vector lanes ([`lanes_step_avx512`]), so the online softmax is vertical too;
 //! each lane's arithmetic is the row-by-row path's, operation for operation.
@@ -24,8 +28,9 @@
 //! (split-K, as in flash-decoding) so that every thread has work; bigger batches run one task per
 //! (block of rows, K/V head) that walks its segments in order. All give the same bits.
 
+use super::kv_q8;
 use super::swiglu::fast_exp;
-use half::f16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
@@ -61,25 +66,39 @@ const PARTS_FLOATS: usize = 1 << 20;
 pub enum KvData<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+    /// q8_0 groups ([`super::kv_q8`]): K and V in their own byte layouts.
+    Q8_0(&'a [u8]),
 }
 
 impl KvData<'_> {
-    pub fn len(&self) -> usize {
+    /// Bytes the storage holds.
+    pub fn bytes(&self) -> usize {
         match self {
-            KvData::F32(x) => x.len(),
-            KvData::F16(x) => x.len(),
+            KvData::F32(x) => std::mem::size_of_val(*x),
+            KvData::F16(x) => std::mem::size_of_val(*x),
+            KvData::Bf16(x) => std::mem::size_of_val(*x),
+            KvData::Q8_0(x) => x.len(),
         }
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Bytes of one head's vector of `head_dim` values.
+    pub fn row_bytes(&self, head_dim: usize) -> usize {
+        match self {
+            KvData::F32(_) => 4 * head_dim,
+            KvData::F16(_) | KvData::Bf16(_) => 2 * head_dim,
+            KvData::Q8_0(_) => kv_q8::row_bytes(head_dim),
+        }
     }
 
-    /// Element `i` as f32.
+    /// Element `i` as f32 (the element formats; a q8_0 value needs the layout:
+    /// [`KvLayer::k_at`], [`KvLayer::v_at`]).
     pub fn get(&self, i: usize) -> f32 {
         match self {
             KvData::F32(x) => x[i],
             KvData::F16(x) => x[i].to_f32(),
+            KvData::Bf16(x) => x[i].to_f32(),
+            KvData::Q8_0(_) => panic!("KvData::get on q8_0 K/V: use KvLayer::k_at or v_at"),
         }
     }
 }
@@ -104,6 +123,24 @@ impl KvLayer<'_> {
     /// Index in `v` of element `d` of K/V head `g` at cache row `slot`.
     pub fn v_index(&self, slot: usize, g: usize, d: usize) -> usize {
         (slot * self.kv_heads + g) * self.head_dim + d
+    }
+
+    /// Element `d` of the key of K/V head `g` at cache row `slot`, as f32 (what the kernel
+    /// widens it to: exact for every format).
+    pub fn k_at(&self, slot: usize, g: usize, d: usize) -> f32 {
+        let (bs, kvh, hd) = (self.block_size, self.kv_heads, self.head_dim);
+        match self.k {
+            KvData::Q8_0(k) => kv_q8::k_get(k, slot, g, d, bs, kvh, hd),
+            k => k.get(self.k_index(slot, g, d)),
+        }
+    }
+
+    /// Element `d` of the value of K/V head `g` at cache row `slot`, as f32.
+    pub fn v_at(&self, slot: usize, g: usize, d: usize) -> f32 {
+        match self.v {
+            KvData::Q8_0(v) => kv_q8::v_get(v, slot, g, d, self.kv_heads, self.head_dim),
+            v => v.get(self.v_index(slot, g, d)),
+        }
     }
 }
 
@@ -287,9 +324,10 @@ fn paged_attention_with(
     assert!(group <= MAX_GROUP, "attention: group {group} > {MAX_GROUP}");
     assert_eq!(q.len(), rows.len() * n_heads * hd, "attention: q shape");
     assert_eq!(out.len(), q.len(), "attention: out shape");
-    assert_eq!(kv.k.len(), kv.v.len(), "attention: k and v differ");
-    assert_eq!(kv.k.len() % (bs * kvh * hd), 0, "attention: cache shape");
-    let num_blocks = kv.k.len() / (bs * kvh * hd);
+    assert_eq!(kv.k.bytes(), kv.v.bytes(), "attention: k and v differ");
+    let block_bytes = bs * kvh * kv.k.row_bytes(hd);
+    assert_eq!(kv.k.bytes() % block_bytes, 0, "attention: cache shape");
+    let num_blocks = kv.k.bytes() / block_bytes;
     if let Some(w) = window {
         assert!(w > 0, "attention: window must be positive");
     }
@@ -307,13 +345,12 @@ fn paged_attention_with(
         );
     }
     macro_rules! go {
-        ($k:expr, $v:expr) => {{
+        ($kv:expr) => {{
             let c = Ctx {
                 q,
                 rows,
                 tables,
-                k: $k,
-                v: $v,
+                kv: $kv,
                 bs,
                 kvh,
                 hd,
@@ -326,19 +363,20 @@ fn paged_attention_with(
         }};
     }
     match (kv.k, kv.v) {
-        (KvData::F32(k), KvData::F32(v)) => go!(k, v),
-        (KvData::F16(k), KvData::F16(v)) => go!(k, v),
+        (KvData::F32(k), KvData::F32(v)) => go!(Elems { k, v }),
+        (KvData::F16(k), KvData::F16(v)) => go!(Elems { k, v }),
+        (KvData::Bf16(k), KvData::Bf16(v)) => go!(Elems { k, v }),
+        (KvData::Q8_0(k), KvData::Q8_0(v)) => go!(Q8 { k, v }),
         _ => panic!("attention: k and v differ in dtype"),
     }
 }
 
-/// One call's validated arguments, with K/V of element type `E`.
-struct Ctx<'a, E> {
+/// One call's validated arguments, with K/V read through `S`.
+struct Ctx<'a, S> {
     q: &'a [f32],
     rows: &'a [AttnRow],
     tables: &'a [u32],
-    k: &'a [E],
-    v: &'a [E],
+    kv: S,
     bs: usize,
     kvh: usize,
     hd: usize,
@@ -348,7 +386,7 @@ struct Ctx<'a, E> {
     window: Option<usize>,
 }
 
-impl<E> Ctx<'_, E> {
+impl<S> Ctx<'_, S> {
     /// The block table of row `t`.
     fn table(&self, t: usize) -> &[u32] {
         let r = self.rows[t];
@@ -393,7 +431,13 @@ struct OutRows(*mut f32);
 unsafe impl Send for OutRows {}
 unsafe impl Sync for OutRows {}
 
-fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: Isa, split: Split) {
+fn run<S: KvSource>(
+    c: &Ctx<S>,
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+    isa: Isa,
+    split: Split,
+) {
     let (hd, group) = (c.hd, c.group);
     if split == Split::Auto && plan_segments(c, scratch) {
         let slot = group * (hd + 2);
@@ -456,7 +500,7 @@ fn run<E: KvElem>(c: &Ctx<E>, out: &mut [f32], scratch: &mut AttnScratch, isa: I
 
 /// Cuts the batch into blocks of rows that may share tiles: consecutive batch rows of one
 /// sequence (same block table) at consecutive positions, at most `row_block_limit` each.
-fn plan_row_blocks<E>(c: &Ctx<E>, blocks: &mut Vec<(u32, u32)>) {
+fn plan_row_blocks<S>(c: &Ctx<S>, blocks: &mut Vec<(u32, u32)>) {
     blocks.clear();
     let limit = c.row_block_limit();
     for (t, r) in c.rows.iter().enumerate() {
@@ -476,7 +520,7 @@ fn plan_row_blocks<E>(c: &Ctx<E>, blocks: &mut Vec<(u32, u32)>) {
 /// Fills `scratch.segments` with the split-K plan: every row's segments, per K/V head, in key
 /// order. False when split-K does not pay (enough tasks already, or no row with two segments)
 /// or does not fit the scratch.
-fn plan_segments<E>(c: &Ctx<E>, scratch: &mut AttnScratch) -> bool {
+fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
     let tasks = c.rows.len() * c.kvh;
     if tasks == 0 || tasks >= TASKS_PER_THREAD * scratch.threads || c.rows.len() > scratch.max_rows
     {
@@ -542,30 +586,89 @@ fn finish(acc: &mut [f32], state: &State, group: usize, hd: usize) {
     }
 }
 
+/// A K/V element format, widened to f32 exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ElemKind {
+    F32,
+    F16,
+    Bf16,
+}
+
 /// A K/V element type.
 trait KvElem: Copy + Send + Sync {
+    const KIND: ElemKind;
     fn to_f32(self) -> f32;
 }
 impl KvElem for f32 {
+    const KIND: ElemKind = ElemKind::F32;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
     }
 }
 impl KvElem for f16 {
+    const KIND: ElemKind = ElemKind::F16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
 }
+impl KvElem for bf16 {
+    const KIND: ElemKind = ElemKind::Bf16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
 
-/// Widening of stored K/V to f32, per ISA (exact, so every ISA gets the same values).
+/// Reads the f16 at `src` (any alignment) as f32.
+#[inline(always)]
+unsafe fn f16_at(src: *const u8) -> f32 {
+    f16::from_bits(u16::from_le_bytes([*src, *src.add(1)])).to_f32()
+}
+
+/// Widening of stored K/V to f32, per ISA (exact, so every ISA gets the same values: an int8
+/// times an f16 scale is exact in f32 too).
 trait Widen {
     /// `dst[i] = src[i]` as f32 for `i < n`.
     ///
     /// # Safety
     /// The CPU supports the implementation's ISA; `src` and `dst` hold `n` elements.
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize);
+
+    /// `dst[i] = q[i] * scales[i]` for `i < n` (q8_0 keys: each key its own scale).
+    ///
+    /// # Safety
+    /// As [`Widen::widen`]; `q`, `scales` and `dst` hold `n` elements.
+    #[inline(always)]
+    unsafe fn widen_q8(q: *const i8, scales: *const f32, dst: *mut f32, n: usize) {
+        for i in 0..n {
+            *dst.add(i) = *q.add(i) as f32 * *scales.add(i);
+        }
+    }
+
+    /// `dst[i] = q[i] * scale` for `i < n` (a q8_0 group of a value row).
+    ///
+    /// # Safety
+    /// As [`Widen::widen`]; `q` and `dst` hold `n` elements.
+    #[inline(always)]
+    unsafe fn widen_q8_group(q: *const i8, scale: f32, dst: *mut f32, n: usize) {
+        for i in 0..n {
+            *dst.add(i) = *q.add(i) as f32 * scale;
+        }
+    }
+
+    /// `dst[i]` = the f16 at bytes `2i..2i + 2` of `src` (any alignment) as f32, `i < n`: the
+    /// scales of q8_0 keys.
+    ///
+    /// # Safety
+    /// As [`Widen::widen`]; `src` holds `2n` bytes, `dst` `n` floats.
+    #[inline(always)]
+    unsafe fn widen_f16_bytes(src: *const u8, dst: *mut f32, n: usize) {
+        for i in 0..n {
+            *dst.add(i) = f16_at(src.add(2 * i));
+        }
+    }
 
     /// Query lanes ((row, head) pairs) per vector when row blocks take the lanes path
     /// ([`lanes_step_avx512`] with 16, [`lanes_step_avx2`] with 8: the same bits as
@@ -592,18 +695,71 @@ impl Widen for Avx2 {
     #[inline(always)]
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
         use std::arch::x86_64::*;
-        if std::mem::size_of::<E>() == 4 {
+        if E::KIND == ElemKind::F32 {
             std::ptr::copy_nonoverlapping(src as *const f32, dst, n);
             return;
         }
         let mut i = 0;
         while i + 8 <= n {
             let h = _mm_loadu_si128(src.add(i) as *const __m128i);
-            _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
+            let x = if E::KIND == ElemKind::F16 {
+                _mm256_cvtph_ps(h)
+            } else {
+                // bf16: the upper half of an f32.
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            };
+            _mm256_storeu_ps(dst.add(i), x);
             i += 8;
         }
         for j in i..n {
             *dst.add(j) = (*src.add(j)).to_f32();
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_q8(q: *const i8, scales: *const f32, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let mut i = 0;
+        while i + 8 <= n {
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                q.add(i) as *const __m128i
+            )));
+            _mm256_storeu_ps(dst.add(i), _mm256_mul_ps(x, _mm256_loadu_ps(scales.add(i))));
+            i += 8;
+        }
+        for j in i..n {
+            *dst.add(j) = *q.add(j) as f32 * *scales.add(j);
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_q8_group(q: *const i8, scale: f32, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let s = _mm256_set1_ps(scale);
+        let mut i = 0;
+        while i + 8 <= n {
+            let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                q.add(i) as *const __m128i
+            )));
+            _mm256_storeu_ps(dst.add(i), _mm256_mul_ps(x, s));
+            i += 8;
+        }
+        for j in i..n {
+            *dst.add(j) = *q.add(j) as f32 * scale;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_f16_bytes(src: *const u8, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let mut i = 0;
+        while i + 8 <= n {
+            let h = _mm_loadu_si128(src.add(2 * i) as *const __m128i);
+            _mm256_storeu_ps(dst.add(i), _mm256_cvtph_ps(h));
+            i += 8;
+        }
+        for j in i..n {
+            *dst.add(j) = f16_at(src.add(2 * j));
         }
     }
 }
@@ -617,20 +773,189 @@ impl Widen for Avx512 {
     #[inline(always)]
     unsafe fn widen<E: KvElem>(src: *const E, dst: *mut f32, n: usize) {
         use std::arch::x86_64::*;
-        if std::mem::size_of::<E>() == 4 {
+        if E::KIND == ElemKind::F32 {
             std::ptr::copy_nonoverlapping(src as *const f32, dst, n);
             return;
         }
         let mut i = 0;
         while i < n {
-            let m: __mmask16 = if n - i >= 16 {
-                0xffff
-            } else {
-                ((1u32 << (n - i)) - 1) as __mmask16
-            };
+            let m = mask16(n - i);
             let h = _mm256_maskz_loadu_epi16(m, src.add(i) as *const i16);
+            let x = if E::KIND == ElemKind::F16 {
+                _mm512_cvtph_ps(h)
+            } else {
+                // bf16: the upper half of an f32.
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            };
+            _mm512_mask_storeu_ps(dst.add(i), m, x);
+            i += 16;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_q8(q: *const i8, scales: *const f32, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let mut i = 0;
+        while i < n {
+            let m = mask16(n - i);
+            let x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q.add(i))));
+            let s = _mm512_maskz_loadu_ps(m, scales.add(i));
+            _mm512_mask_storeu_ps(dst.add(i), m, _mm512_mul_ps(x, s));
+            i += 16;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_q8_group(q: *const i8, scale: f32, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let s = _mm512_set1_ps(scale);
+        let mut i = 0;
+        while i < n {
+            let m = mask16(n - i);
+            let x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q.add(i))));
+            _mm512_mask_storeu_ps(dst.add(i), m, _mm512_mul_ps(x, s));
+            i += 16;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn widen_f16_bytes(src: *const u8, dst: *mut f32, n: usize) {
+        use std::arch::x86_64::*;
+        let mut i = 0;
+        while i < n {
+            let m = mask16(n - i);
+            let h = _mm256_maskz_loadu_epi16(m, src.add(2 * i) as *const i16);
             _mm512_mask_storeu_ps(dst.add(i), m, _mm512_cvtph_ps(h));
             i += 16;
+        }
+    }
+}
+
+/// The mask of the first `min(left, 16)` lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn mask16(left: usize) -> u16 {
+    if left >= 16 {
+        0xffff
+    } else {
+        ((1u32 << left) - 1) as u16
+    }
+}
+
+/// A cache's geometry: tokens per block, K/V heads, head dimension.
+#[derive(Clone, Copy)]
+struct Geom {
+    bs: usize,
+    kvh: usize,
+    hd: usize,
+}
+
+/// A layer's K/V as the kernel reads it: tiles of keys and rows of values widened to f32 (in
+/// the same values whatever the ISA `W`).
+trait KvSource: Copy + Send + Sync {
+    /// Keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, into `kt`
+    /// transposed: `kt[d * LANES + lane]`.
+    ///
+    /// # Safety
+    /// W's ISA is supported; the block lies in the cache; `kt` holds `hd * LANES` floats.
+    unsafe fn k_tile<W: Widen>(&self, geo: Geom, block: usize, r0: usize, g: usize, kt: *mut f32);
+
+    /// Element `d` of the key of K/V head `g` at cache row `slot`.
+    ///
+    /// # Safety
+    /// The row lies in the cache.
+    unsafe fn k_elem(&self, geo: Geom, slot: usize, g: usize, d: usize) -> f32;
+
+    /// The value of K/V head `g` at cache row `slot` into `dst` (`hd` floats).
+    ///
+    /// # Safety
+    /// As [`KvSource::k_tile`]; `dst` holds `hd` floats.
+    unsafe fn v_row<W: Widen>(&self, geo: Geom, slot: usize, g: usize, dst: *mut f32);
+}
+
+/// K/V of one element type (f32, f16, bf16).
+#[derive(Clone, Copy)]
+struct Elems<'a, E> {
+    k: &'a [E],
+    v: &'a [E],
+}
+
+impl<E: KvElem> KvSource for Elems<'_, E> {
+    #[inline(always)]
+    unsafe fn k_tile<W: Widen>(&self, geo: Geom, block: usize, r0: usize, g: usize, kt: *mut f32) {
+        let Geom { bs, kvh, hd } = geo;
+        let (k, slot) = (self.k.as_ptr(), block * bs + r0);
+        if bs == LANES {
+            // The tile is one block: its K for head g is `[hd][LANES]`, contiguous.
+            W::widen(k.add(k_index(slot, g, 0, bs, kvh, hd)), kt, hd * LANES);
+        } else {
+            // Element d of the tile's 16 keys is contiguous.
+            for d in 0..hd {
+                W::widen(
+                    k.add(k_index(slot, g, d, bs, kvh, hd)),
+                    kt.add(d * LANES),
+                    LANES,
+                );
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn k_elem(&self, geo: Geom, slot: usize, g: usize, d: usize) -> f32 {
+        let Geom { bs, kvh, hd } = geo;
+        (*self.k.as_ptr().add(k_index(slot, g, d, bs, kvh, hd))).to_f32()
+    }
+
+    #[inline(always)]
+    unsafe fn v_row<W: Widen>(&self, geo: Geom, slot: usize, g: usize, dst: *mut f32) {
+        let Geom { kvh, hd, .. } = geo;
+        W::widen(self.v.as_ptr().add((slot * kvh + g) * hd), dst, hd);
+    }
+}
+
+/// q8_0 K/V ([`kv_q8`]'s layouts).
+#[derive(Clone, Copy)]
+struct Q8<'a> {
+    k: &'a [u8],
+    v: &'a [u8],
+}
+
+impl KvSource for Q8<'_> {
+    #[inline(always)]
+    unsafe fn k_tile<W: Widen>(&self, geo: Geom, block: usize, r0: usize, g: usize, kt: *mut f32) {
+        let Geom { bs, kvh, hd } = geo;
+        // The (block, head) chunk: q `[hd][bs]`, then scales `[groups][bs]`.
+        let chunk = self.k.as_ptr().add(kv_q8::k_chunk(block, g, bs, kvh, hd));
+        let mut scales = [0f32; LANES];
+        for j in 0..kv_q8::groups(hd) {
+            let at = chunk.add(hd * bs + 2 * (j * bs + r0));
+            W::widen_f16_bytes(at, scales.as_mut_ptr(), LANES);
+            for d in j * kv_q8::QK..((j + 1) * kv_q8::QK).min(hd) {
+                let q = chunk.add(d * bs + r0) as *const i8;
+                W::widen_q8(q, scales.as_ptr(), kt.add(d * LANES), LANES);
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn k_elem(&self, geo: Geom, slot: usize, g: usize, d: usize) -> f32 {
+        kv_q8::k_get(self.k, slot, g, d, geo.bs, geo.kvh, geo.hd)
+    }
+
+    #[inline(always)]
+    unsafe fn v_row<W: Widen>(&self, geo: Geom, slot: usize, g: usize, dst: *mut f32) {
+        let Geom { kvh, hd, .. } = geo;
+        // ggml's blocks: [scale f16][32 x i8] per group.
+        let row = self.v.as_ptr().add(kv_q8::v_row_at(slot, g, kvh, hd));
+        for j in 0..kv_q8::groups(hd) {
+            let at = row.add(j * (kv_q8::QK + 2));
+            let n = kv_q8::QK.min(hd - j * kv_q8::QK);
+            W::widen_q8_group(
+                at.add(2) as *const i8,
+                f16_at(at),
+                dst.add(j * kv_q8::QK),
+                n,
+            );
         }
     }
 }
@@ -650,7 +975,7 @@ enum Task<'a> {
 }
 
 /// Runs `task` compiled for `isa`.
-fn dispatch<E: KvElem>(isa: Isa, c: &Ctx<E>, task: Task) -> State {
+fn dispatch<S: KvSource>(isa: Isa, c: &Ctx<S>, task: Task) -> State {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: detect_isa checked the features (tests only pass ISAs they detected).
@@ -658,19 +983,19 @@ fn dispatch<E: KvElem>(isa: Isa, c: &Ctx<E>, task: Task) -> State {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         Isa::Avx2 => unsafe { task_avx2(c, task) },
-        Isa::Plain => run_task::<Plain, E>(c, task),
+        Isa::Plain => run_task::<Plain, S>(c, task),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn task_avx512<E: KvElem>(c: &Ctx<E>, task: Task) -> State {
-    run_task::<Avx512, E>(c, task)
+unsafe fn task_avx512<S: KvSource>(c: &Ctx<S>, task: Task) -> State {
+    run_task::<Avx512, S>(c, task)
 }
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2<E: KvElem>(c: &Ctx<E>, task: Task) -> State {
-    run_task::<Avx2, E>(c, task)
+unsafe fn task_avx2<S: KvSource>(c: &Ctx<S>, task: Task) -> State {
+    run_task::<Avx2, S>(c, task)
 }
 
 /// A tile's K (transposed: `kt[d * LANES + lane]`) and V (`vt[lane * hd + d]`) in f32.
@@ -680,7 +1005,7 @@ struct TileBuf {
 }
 
 #[inline(always)]
-fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
+fn run_task<W: Widen, S: KvSource>(c: &Ctx<S>, task: Task) -> State {
     let mut tile = TileBuf {
         kt: [MaybeUninit::uninit(); MAX_HEAD_DIM * LANES],
         vt: [MaybeUninit::uninit(); LANES * MAX_HEAD_DIM],
@@ -691,7 +1016,7 @@ fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
             let mut st = [State::EMPTY];
             acc[..gh].fill(0.0);
             let (t, lo, hi) = (seg.t as usize, seg.lo as usize, seg.hi as usize);
-            segment_pass::<W, E>(
+            segment_pass::<W, S>(
                 c,
                 t,
                 &[(lo, hi)],
@@ -705,7 +1030,7 @@ fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
             st[0]
         }
         Task::Rows { first, n, g, out } => {
-            rows_task::<W, E>(c, first, n, g, out, &mut tile);
+            rows_task::<W, S>(c, first, n, g, out, &mut tile);
             State::EMPTY
         }
     }
@@ -715,8 +1040,8 @@ fn run_task<W: Widen, E: KvElem>(c: &Ctx<E>, task: Task) -> State {
 /// row's segments in key order, the first accumulated in place in `out`, the later ones on the
 /// stack and merged in, then normalised.
 #[inline(always)]
-fn rows_task<W: Widen, E: KvElem>(
-    c: &Ctx<E>,
+fn rows_task<W: Widen, S: KvSource>(
+    c: &Ctx<S>,
     first: usize,
     n: usize,
     g: usize,
@@ -799,7 +1124,7 @@ fn rows_task<W: Widen, E: KvElem>(
                 *a = if started[i] { s } else { &mut **o };
                 a.fill(0.0);
             }
-            segment_pass::<W, E>(
+            segment_pass::<W, S>(
                 c,
                 first,
                 &parts[..n],
@@ -836,8 +1161,8 @@ fn rows_task<W: Widen, E: KvElem>(
 /// time by [`lanes_step_avx512`], else row by row by [`tile_step`]: the same arithmetic per row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn segment_pass<W: Widen, E: KvElem>(
-    c: &Ctx<E>,
+fn segment_pass<W: Widen, S: KvSource>(
+    c: &Ctx<S>,
     first: usize,
     parts: &[(usize, usize)],
     g: usize,
@@ -849,7 +1174,7 @@ fn segment_pass<W: Widen, E: KvElem>(
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     let table = c.table(first);
-    let (k, v) = (c.k.as_ptr(), c.v.as_ptr());
+    let geo = Geom { bs, kvh, hd };
     let kt = tile.kt.as_mut_ptr().cast::<f32>();
     let vt = tile.vt.as_mut_ptr().cast::<f32>();
     let mut t0 = span.0 / LANES * LANES;
@@ -870,20 +1195,9 @@ fn segment_pass<W: Widen, E: KvElem>(
         // block is in the row's table, and every table entry is below the cache's block count
         // (checked on entry); d < hd, lanes < LANES fit the buffers (hd <= MAX_HEAD_DIM).
         unsafe {
-            if bs == LANES {
-                // The tile is one block: its K for head g is `[hd][LANES]`, contiguous.
-                let slot = table[t0 / bs] as usize * bs;
-                W::widen(k.add(k_index(slot, g, 0, bs, kvh, hd)), kt, hd * LANES);
-            } else if bs % LANES == 0 {
-                // The whole tile lies in one block: element d of its 16 keys is contiguous.
-                let slot = table[t0 / bs] as usize * bs + t0 % bs;
-                for d in 0..hd {
-                    W::widen(
-                        k.add(k_index(slot, g, d, bs, kvh, hd)),
-                        kt.add(d * LANES),
-                        LANES,
-                    );
-                }
+            if bs % LANES == 0 {
+                // The whole tile lies in one block.
+                c.kv.k_tile::<W>(geo, table[t0 / bs] as usize, t0 % bs, g, kt);
             } else {
                 for lane in 0..LANES {
                     let key = t0 + lane;
@@ -895,14 +1209,13 @@ fn segment_pass<W: Widen, E: KvElem>(
                     }
                     let slot = table[key / bs] as usize * bs + key % bs;
                     for d in 0..hd {
-                        *kt.add(d * LANES + lane) =
-                            (*k.add(k_index(slot, g, d, bs, kvh, hd))).to_f32();
+                        *kt.add(d * LANES + lane) = c.kv.k_elem(geo, slot, g, d);
                     }
                 }
             }
             for key in need.0..=need.1 {
                 let slot = table[key / bs] as usize * bs + key % bs;
-                W::widen(v.add((slot * kvh + g) * hd), vt.add((key - t0) * hd), hd);
+                c.kv.v_row::<W>(geo, slot, g, vt.add((key - t0) * hd));
             }
         }
         // SAFETY: the lanes of every row's part were written above (rows' parts lie in `need`).
@@ -1615,7 +1928,7 @@ fn tree16(mut x: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
     x[0]
 }
 
-/// Naive reference: dense scores and softmax in f64 (on the stored values, f16 widened exactly).
+/// Naive reference: dense scores and softmax in f64 (on the stored values, widened exactly).
 #[allow(clippy::too_many_arguments)]
 pub fn reference(
     q: &[f32],
@@ -1640,7 +1953,7 @@ pub fn reference(
                 .map(|j| {
                     qh.iter()
                         .enumerate()
-                        .map(|(d, &a)| a as f64 * kv.k.get(kv.k_index(slot(j), g, d)) as f64)
+                        .map(|(d, &a)| a as f64 * kv.k_at(slot(j), g, d) as f64)
                         .sum::<f64>()
                         * scale as f64
                 })
@@ -1651,7 +1964,7 @@ pub fn reference(
             for d in 0..hd {
                 let mut acc = 0.0;
                 for (idx, j) in (lo..=pos).enumerate() {
-                    acc += e[idx] * kv.v.get(kv.v_index(slot(j), g, d)) as f64;
+                    acc += e[idx] * kv.v_at(slot(j), g, d) as f64;
                 }
                 out[(t * n_heads + h) * hd + d] = (acc / z) as f32;
             }
@@ -1665,10 +1978,116 @@ mod tests {
 
     use crate::model::kernels::cpu::test_rng::{thread_pools, Rng};
 
-    #[derive(Clone, Copy, PartialEq, Eq)]
+    #[derive(Clone, Copy, PartialEq, Eq, Debug)]
     enum Dt {
         F32,
         F16,
+        Bf16,
+        Q8_0,
+    }
+
+    const DTS: [Dt; 4] = [Dt::F32, Dt::F16, Dt::Bf16, Dt::Q8_0];
+
+    /// The timing module's K/V in every format.
+    pub(super) fn stored(k: Vec<f32>, v: Vec<f32>, bs: usize, kvh: usize, hd: usize) -> Stored {
+        Stored::new(k, v, bs, kvh, hd)
+    }
+
+    /// K/V in every format, from the same f32 values in the f32 layouts.
+    pub(super) struct Stored {
+        k: Vec<f32>,
+        v: Vec<f32>,
+        k16: Vec<f16>,
+        v16: Vec<f16>,
+        kb: Vec<bf16>,
+        vb: Vec<bf16>,
+        kq: Vec<u8>,
+        vq: Vec<u8>,
+        bs: usize,
+        kvh: usize,
+        hd: usize,
+    }
+
+    impl Stored {
+        fn new(k: Vec<f32>, v: Vec<f32>, bs: usize, kvh: usize, hd: usize) -> Stored {
+            let (kq, vq) = quantized(&k, &v, bs, kvh, hd);
+            Stored {
+                k16: k.iter().map(|&x| f16::from_f32(x)).collect(),
+                v16: v.iter().map(|&x| f16::from_f32(x)).collect(),
+                kb: k.iter().map(|&x| bf16::from_f32(x)).collect(),
+                vb: v.iter().map(|&x| bf16::from_f32(x)).collect(),
+                k,
+                v,
+                kq,
+                vq,
+                bs,
+                kvh,
+                hd,
+            }
+        }
+
+        /// Format `i` of [`DTS`] (f32, f16, bf16, q8_0).
+        pub(super) fn layer_of(&self, i: usize) -> KvLayer<'_> {
+            self.layer(DTS[i])
+        }
+
+        fn layer(&self, dt: Dt) -> KvLayer<'_> {
+            let (k, v) = match dt {
+                Dt::F32 => (KvData::F32(&self.k), KvData::F32(&self.v)),
+                Dt::F16 => (KvData::F16(&self.k16), KvData::F16(&self.v16)),
+                Dt::Bf16 => (KvData::Bf16(&self.kb), KvData::Bf16(&self.vb)),
+                Dt::Q8_0 => (KvData::Q8_0(&self.kq), KvData::Q8_0(&self.vq)),
+            };
+            KvLayer {
+                k,
+                v,
+                block_size: self.bs,
+                kv_heads: self.kvh,
+                head_dim: self.hd,
+            }
+        }
+    }
+
+    /// f32 K/V (the f32 layouts) quantized to q8_0 row by row, as the pool writes them.
+    fn quantized(k: &[f32], v: &[f32], bs: usize, kvh: usize, hd: usize) -> (Vec<u8>, Vec<u8>) {
+        let slots = k.len() / (kvh * hd);
+        let f = KvLayer {
+            k: KvData::F32(k),
+            v: KvData::F32(v),
+            block_size: bs,
+            kv_heads: kvh,
+            head_dim: hd,
+        };
+        let bytes = slots * kvh * kv_q8::row_bytes(hd);
+        let (mut kq, mut vq) = (vec![0u8; bytes], vec![0u8; bytes]);
+        for slot in 0..slots {
+            let kr: Vec<f32> = (0..kvh * hd)
+                .map(|e| f.k_at(slot, e / hd, e % hd))
+                .collect();
+            let vr: Vec<f32> = (0..kvh * hd)
+                .map(|e| f.v_at(slot, e / hd, e % hd))
+                .collect();
+            kv_q8::write_k(&mut kq, slot, &kr, bs, kvh, hd);
+            kv_q8::write_v(&mut vq, slot, &vr, kvh, hd);
+        }
+        (kq, vq)
+    }
+
+    /// The values a cache holds, as f32 K/V in the f32 layouts.
+    fn dequantized(kv: &KvLayer) -> (Vec<f32>, Vec<f32>) {
+        let (bs, kvh, hd) = (kv.block_size, kv.kv_heads, kv.head_dim);
+        let slots = kv.k.bytes() / kv.k.row_bytes(hd) / kvh;
+        let mut k = vec![0f32; slots * kvh * hd];
+        let mut v = k.clone();
+        for slot in 0..slots {
+            for g in 0..kvh {
+                for d in 0..hd {
+                    k[k_index(slot, g, d, bs, kvh, hd)] = kv.k_at(slot, g, d);
+                    v[kv.v_index(slot, g, d)] = kv.v_at(slot, g, d);
+                }
+            }
+        }
+        (k, v)
     }
 
     /// Every ISA this CPU can run.
@@ -1690,8 +2109,8 @@ mod tests {
     }
 
     /// Builds a cache with `seq_lens.len()` sequences on shuffled blocks, queries the given
-    /// (sequence, position) rows, and compares with the f64 reference on the stored (for F16,
-    /// f16-rounded) values: every ISA, split-K planned for 1, 2 and 8 threads and never split.
+    /// (sequence, position) rows, and compares with the f64 reference on the stored (rounded or
+    /// quantized) values: every ISA, split-K planned for 1, 2 and 8 threads and never split.
     /// Returns how many of the runs used split-K.
     #[allow(clippy::too_many_arguments)]
     fn run_dt(
@@ -1725,19 +2144,8 @@ mod tests {
         let n = num_blocks * bs * kv_heads * head_dim;
         let k: Vec<f32> = (0..n).map(|_| rng.next() * 2.0).collect();
         let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
-        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
-        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
-        let (kd, vd) = match dt {
-            Dt::F32 => (KvData::F32(&k), KvData::F32(&v)),
-            Dt::F16 => (KvData::F16(&k16), KvData::F16(&v16)),
-        };
-        let kv = KvLayer {
-            k: kd,
-            v: vd,
-            block_size: bs,
-            kv_heads,
-            head_dim,
-        };
+        let stored = Stored::new(k, v, bs, kv_heads, head_dim);
+        let kv = stored.layer(dt);
         let rows: Vec<AttnRow> = queries
             .iter()
             .map(|&(sq, pos)| AttnRow {
@@ -1813,12 +2221,11 @@ mod tests {
                     Split::Auto,
                 );
                 let planned = {
-                    let c = Ctx::<f32> {
+                    let c = Ctx {
                         q: &q,
                         rows: &rows,
                         tables: &tables,
-                        k: &[],
-                        v: &[],
+                        kv: Elems::<f32> { k: &[], v: &[] },
                         bs,
                         kvh: kv_heads,
                         hd: head_dim,
@@ -1857,7 +2264,7 @@ mod tests {
         window: Option<usize>,
         seed: u64,
     ) {
-        for dt in [Dt::F32, Dt::F16] {
+        for dt in DTS {
             run_dt(
                 dt, n_heads, kv_heads, head_dim, bs, seq_lens, queries, window, seed,
             );
@@ -1932,7 +2339,7 @@ mod tests {
 
     #[test]
     fn split_k_long_contexts() {
-        for dt in [Dt::F32, Dt::F16] {
+        for dt in DTS {
             // Decode-shaped GQA (smollm: 9 heads on 3 K/V heads, head_dim 64), 3000 keys.
             let n = run_dt(dt, 9, 3, 64, 16, &[3000], &[(0, 2999)], None, 11);
             assert!(n > 0, "split-K never planned");
@@ -1958,6 +2365,97 @@ mod tests {
         }
     }
 
+    /// Attention over q8_0 K/V gives the bits of attention over its dequantized f32 copy (the
+    /// widening is exact), on every ISA, split-K or not, for block sizes on each tile path (16,
+    /// 32: a tile inside a block; 4: key by key), head dims with a short last group (16, 40),
+    /// and a window; and its error against f32 K/V is what 8 bits allow.
+    #[test]
+    fn q8_0_attention_is_the_attention_of_its_dequantized_values() {
+        // (n_heads, kv_heads, head_dim, block_size, sequence lengths, window)
+        type Case = (usize, usize, usize, usize, &'static [usize], Option<usize>);
+        let cases: [Case; 5] = [
+            (9, 3, 64, 16, &[3000, 37], None),
+            (6, 2, 40, 4, &[300, 70], Some(50)),
+            (4, 2, 16, 32, &[700], None),
+            (8, 1, 128, 16, &[129, 1], None),
+            (2, 2, 67, 16, &[200], Some(17)),
+        ];
+        for (seed, (n_heads, kvh, hd, bs, seq_lens, window)) in cases.into_iter().enumerate() {
+            let mut rng = Rng(90 + seed as u64);
+            let num_blocks: usize = seq_lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 1;
+            let mut tables: Vec<u32> = (0..num_blocks as u32).collect();
+            for i in (1..tables.len()).rev() {
+                let j = (rng.next_u() % (i as u64 + 1)) as usize;
+                tables.swap(i, j);
+            }
+            let n = num_blocks * bs * kvh * hd;
+            let k: Vec<f32> = (0..n).map(|_| rng.next() * 3.0).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+            let stored = Stored::new(k, v, bs, kvh, hd);
+            let q8 = stored.layer(Dt::Q8_0);
+            let (dk, dv) = dequantized(&q8);
+            let deq = KvLayer {
+                k: KvData::F32(&dk),
+                v: KvData::F32(&dv),
+                ..stored.layer(Dt::F32)
+            };
+            // Every position of each sequence's last tiles, and a few early ones.
+            let mut rows = Vec::new();
+            let mut start = 0;
+            for &len in seq_lens {
+                let table_len = len.div_ceil(bs) as u32;
+                for pos in (0..len).rev().take(20).chain([0, len / 3]) {
+                    rows.push(AttnRow {
+                        pos: pos as u32,
+                        table_start: start,
+                        table_len,
+                    });
+                }
+                start += table_len;
+            }
+            let q: Vec<f32> = (0..rows.len() * n_heads * hd)
+                .map(|_| rng.next() * 2.0)
+                .collect();
+            let scale = 1.0 / (hd as f32).sqrt();
+            let attend = |kv: &KvLayer, isa: Isa, split: Split, threads: usize| {
+                let mut out = vec![f32::NAN; q.len()];
+                let mut scratch = AttnScratch::new(rows.len(), n_heads, hd, threads);
+                paged_attention_with(
+                    &q,
+                    &rows,
+                    &tables,
+                    kv,
+                    n_heads,
+                    scale,
+                    window,
+                    &mut out,
+                    &mut scratch,
+                    isa,
+                    split,
+                );
+                out
+            };
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let want = bits(&attend(&deq, Isa::Plain, Split::Never, 1));
+            for isa in isas() {
+                for (split, threads) in [(Split::Never, 2), (Split::Auto, 8)] {
+                    let what = format!("case {seed}, {isa:?}, {split:?}");
+                    assert_eq!(bits(&attend(&q8, isa, split, threads)), want, "{what}");
+                    assert_eq!(bits(&attend(&deq, isa, split, threads)), want, "{what}");
+                }
+            }
+            // Against f32 K/V: outputs are convex combinations of V in [-1, 1], each off by
+            // at most amax/254 <= 1/254 in V, plus what the rounded keys move the weights.
+            let exact = attend(&stored.layer(Dt::F32), Isa::Plain, Split::Never, 1);
+            let got = attend(&q8, Isa::Plain, Split::Never, 1);
+            let worst = exact
+                .iter()
+                .zip(&got)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst < 0.03, "case {seed}: q8_0 off by {worst}");
+        }
+    }
+
     #[test]
     fn split_k_plans_cover_the_keys() {
         let rows = [
@@ -1972,12 +2470,11 @@ mod tests {
                 table_len: 188,
             },
         ];
-        let c = Ctx::<f32> {
+        let c = Ctx {
             q: &[],
             rows: &rows,
             tables: &[],
-            k: &[],
-            v: &[],
+            kv: Elems::<f32> { k: &[], v: &[] },
             bs: 16,
             kvh: 3,
             hd: 64,
@@ -2031,7 +2528,8 @@ mod tests {
     /// other sequences and runs of consecutive prefill rows, short and long, which share tiles
     /// in row blocks), whichever way the segments run (split-K planned for 1, 2 or 8 threads, or
     /// never) and on 1 to 3 threads, and on every ISA the same as in the portable build: long
-    /// (3000-key) and short target rows, with and without a sliding window, f32 and f16 K/V.
+    /// (3000-key) and short target rows, with and without a sliding window, K/V in every
+    /// format (f32, f16, bf16, q8_0).
     #[test]
     fn attention_rows_are_batch_invariant() {
         let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
@@ -2053,8 +2551,7 @@ mod tests {
         let len = num_blocks * bs * kvh * hd;
         let k: Vec<f32> = (0..len).map(|_| rng.next() * 2.0).collect();
         let v: Vec<f32> = (0..len).map(|_| rng.next()).collect();
-        let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
-        let v16: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let stored = Stored::new(k, v, bs, kvh, hd);
         let row = |sq: usize, pos: usize| AttnRow {
             pos: pos as u32,
             table_start: starts[sq] as u32,
@@ -2070,18 +2567,14 @@ mod tests {
         others.extend((600..640).map(|p| (1, p)));
         let pools = thread_pools(&[1, 2, 3]);
         let scale = 1.0 / (hd as f32).sqrt();
-        for (dt, kd, vd) in [
-            ("f32", KvData::F32(&k), KvData::F32(&v)),
-            ("f16", KvData::F16(&k16), KvData::F16(&v16)),
-        ] {
-            let kv = KvLayer {
-                k: kd,
-                v: vd,
-                block_size: bs,
-                kv_heads: kvh,
-                head_dim: hd,
+        for dt in DTS {
+            let kv = stored.layer(dt);
+            // bf16 widens as f16 does (one more exact conversion): no window, to save time.
+            let windows: &[Option<usize>] = match dt {
+                Dt::Bf16 => &[None],
+                _ => &[None, Some(1000)],
             };
-            for window in [None, Some(1000)] {
+            for &window in windows {
                 for isa in isas() {
                     // (1, 640): a position at a tile's first key, so that in the last tile it
                     // sees one key (a lanes path's edge).
@@ -2113,7 +2606,7 @@ mod tests {
                                 .iter()
                                 .zip(&alone)
                                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{isa:?} {dt} K/V, window {window:?}: row {target:?} differs from \
+                            "{isa:?} {dt:?} K/V, window {window:?}: row {target:?} differs from \
                              the portable build"
                         );
                         // The target at a varying place among size - 1 others.
@@ -2172,7 +2665,7 @@ mod tests {
                                     .all(|(a, b)| a.to_bits() == b.to_bits());
                                 assert!(
                                     same,
-                                    "{isa:?} {dt} K/V, window {window:?}: row {target:?} \
+                                    "{isa:?} {dt:?} K/V, window {window:?}: row {target:?} \
                                      differs in a batch of {size} (at {at}), split-K for \
                                      {threads} threads, {split:?}"
                                 );
@@ -2185,7 +2678,11 @@ mod tests {
     }
 }
 
-/// Speed check (not run by default): `cargo test --release -- --ignored --nocapture timing`.
+/// Speed check (not run by default): `cargo test --release --lib -- --ignored --nocapture
+/// timing`. Decode attention (one row, smollm's 9 heads on 3 K/V heads of 64) at contexts 512,
+/// 2048 and 8192 in every K/V format, the formats interleaved round by round and each figure the
+/// fastest call of its format (a busy moment of a shared machine slows every format alike, and
+/// the fastest call is the one it did not touch); the median of the rounds' fastest beside it.
 #[cfg(test)]
 mod timing {
     use super::*;
@@ -2196,60 +2693,56 @@ mod timing {
     fn timing_decode_attention() {
         let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
         let threads = rayon::current_num_threads();
-        for &ctx in &[512usize, 2048] {
+        for &ctx in &[512usize, 2048, 8192] {
             let blocks = ctx / bs;
             let len = blocks * bs * kvh * hd;
-            let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01).collect();
-            let v = k.clone();
-            let k16: Vec<f16> = k.iter().map(|&x| f16::from_f32(x)).collect();
-            let v16 = k16.clone();
+            let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+            let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
+            let stored = tests::stored(k, v, bs, kvh, hd);
             let tables: Vec<u32> = (0..blocks as u32).rev().collect();
-            for half in [false, true] {
-                let kv = KvLayer {
-                    k: if half {
-                        KvData::F16(&k16)
-                    } else {
-                        KvData::F32(&k)
-                    },
-                    v: if half {
-                        KvData::F16(&v16)
-                    } else {
-                        KvData::F32(&v)
-                    },
-                    block_size: bs,
-                    kv_heads: kvh,
-                    head_dim: hd,
-                };
-                let rows = [AttnRow {
-                    pos: ctx as u32 - 1,
-                    table_start: 0,
-                    table_len: blocks as u32,
-                }];
-                let q = vec![0.1f32; n_heads * hd];
-                let mut out = vec![0.0f32; n_heads * hd];
-                let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
-                let mut best = f64::INFINITY;
-                for _ in 0..300 {
-                    let t = Instant::now();
-                    paged_attention(
-                        &q,
-                        &rows,
-                        &tables,
-                        &kv,
-                        n_heads,
-                        0.125,
-                        None,
-                        &mut out,
-                        &mut scratch,
-                    );
-                    best = best.min(t.elapsed().as_secs_f64());
+            let rows = [AttnRow {
+                pos: ctx as u32 - 1,
+                table_start: 0,
+                table_len: blocks as u32,
+            }];
+            let q = vec![0.1f32; n_heads * hd];
+            let mut out = vec![0.0f32; n_heads * hd];
+            let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
+            let names = ["f32", "f16", "bf16", "q8_0"];
+            let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+            for _ in 0..15 {
+                for (f, round) in rounds.iter_mut().enumerate() {
+                    let kv = stored.layer_of(f);
+                    let mut best = f64::INFINITY;
+                    for _ in 0..40 {
+                        let t = Instant::now();
+                        paged_attention(
+                            &q,
+                            &rows,
+                            &tables,
+                            &kv,
+                            n_heads,
+                            0.125,
+                            None,
+                            &mut out,
+                            &mut scratch,
+                        );
+                        best = best.min(t.elapsed().as_secs_f64());
+                    }
+                    round.push(best);
                 }
-                let bytes = 2 * len * if half { 2 } else { 4 };
+            }
+            for (f, round) in rounds.iter_mut().enumerate() {
+                round.sort_by(f64::total_cmp);
+                let kv = stored.layer_of(f);
+                let bytes = kv.k.bytes() + kv.v.bytes();
                 println!(
-                    "attention ctx {ctx} {}: {:.1} us, {:.1} GB/s of K/V",
-                    if half { "f16" } else { "f32" },
-                    best * 1e6,
-                    bytes as f64 / best / 1e9
+                    "attention ctx {ctx} {}: {:.1} us (median of rounds {:.1} us), {:.1} GB/s of \
+                     K/V",
+                    names[f],
+                    round[0] * 1e6,
+                    round[round.len() / 2] * 1e6,
+                    bytes as f64 / round[0] / 1e9
                 );
             }
         }

@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod kv_q8;
 pub mod matmul;
 pub mod quant;
 pub mod rmsnorm;
