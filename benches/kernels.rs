@@ -1,6 +1,7 @@
 //! Kernel benchmarks: decode-shaped linears (bandwidth bound, reported as GB/s of weights and
-//! activations read), prefill-shaped linears, decode and prefill paged attention, and whole
-//! prefill steps of a smollm-135m-shaped bf16 model.
+//! activations read), prefill-shaped linears, decode and prefill paged attention, whole
+//! prefill steps of a smollm-135m-shaped bf16 model, the quantized-weight linears (GB/s of
+//! weights at n = 1, MACs/s at n = 512) and a plain read of the same bytes (the ceiling).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::{bf16, f16};
@@ -15,6 +16,8 @@ use strata_rs::model::kernels::cpu::attention::{
 };
 use strata_rs::model::kernels::cpu::kv_q8;
 use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
+use strata_rs::model::kernels::cpu::quant::linear::{linear_quant, QuantMatRef, QuantScratch};
+use strata_rs::model::kernels::cpu::quant::{quantize_row, QuantType};
 use strata_rs::model::kernels::cpu::{MatRef, WeightData};
 use strata_rs::model::testing::TestModel;
 use strata_rs::model::weights::DType;
@@ -264,11 +267,100 @@ fn bench_prefill_step(c: &mut Criterion) {
     g.finish();
 }
 
+/// Quantized weights of `ty` for `[m, k]`: rows quantized from bounded pseudo-random values.
+fn quant_matrix(ty: QuantType, m: usize, k: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(k).expect("whole blocks");
+    let mut data = vec![0u8; m * rb];
+    for (r, row) in data.chunks_exact_mut(rb).enumerate() {
+        quantize_row(ty, &values(k, r as u32), row);
+    }
+    data
+}
+
+/// The quantized linear at decode (n = 1: bandwidth bound, GB/s of weights) and prefill
+/// (n = 512: compute bound, multiply-adds per second as "elements"), Q4_K and Q6_K (the
+/// Q4_K_M files), Q8_0 and Q4_1 (the SmolLM2 Q4_1 file and its embedding), at [2048, 2048]
+/// and [8192, 2048]; and a plain parallel read of each matrix's bytes.
+fn bench_linear_quant(c: &mut Criterion) {
+    let threads = rayon::current_num_threads();
+    let types = [QuantType::Q4_K, QuantType::Q6_K, QuantType::Q8_0, QuantType::Q4_1];
+    let shapes = [(2048usize, 2048usize), (8192, 2048)];
+    let mut scratch = QuantScratch::new(threads, 512, 2048);
+    let mut g = c.benchmark_group("linear_quant_decode");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(300));
+    for ty in types {
+        for &(m, k) in &shapes {
+            let data = quant_matrix(ty, m, k);
+            let w = QuantMatRef {
+                ty,
+                data: &data,
+                rows: m,
+                cols: k,
+            };
+            let x = values(k, 2);
+            let mut y = vec![0.0f32; m];
+            g.throughput(Throughput::Bytes(data.len() as u64));
+            g.bench_function(format!("{}_n1_{m}x{k}", ty.name()), |b| {
+                b.iter(|| linear_quant(black_box(&x), 1, w, None, &mut y, &mut scratch))
+            });
+            // The ceiling: every byte of the same matrix read once, on the same threads.
+            g.bench_function(format!("read_{}_{m}x{k}", ty.name()), |b| {
+                b.iter(|| read_bytes(black_box(&data)))
+            });
+        }
+    }
+    g.finish();
+    let mut g = c.benchmark_group("linear_quant_prefill");
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_millis(300));
+    let n = 512;
+    for ty in types {
+        for &(m, k) in &shapes {
+            let data = quant_matrix(ty, m, k);
+            let w = QuantMatRef {
+                ty,
+                data: &data,
+                rows: m,
+                cols: k,
+            };
+            let x = values(n * k, 3);
+            let mut y = vec![0.0f32; n * m];
+            g.throughput(Throughput::Elements((n * m * k) as u64));
+            g.bench_function(format!("{}_n{n}_{m}x{k}", ty.name()), |b| {
+                b.iter(|| linear_quant(black_box(&x), n, w, None, &mut y, &mut scratch))
+            });
+        }
+    }
+    g.finish();
+}
+
+/// A plain parallel read of `data` (8 u64 lanes summed per 64-byte line): memory bandwidth
+/// with the kernels' thread count and chunking.
+fn read_bytes(data: &[u8]) -> u64 {
+    use rayon::prelude::*;
+    data.par_chunks(1 << 16)
+        .map(|c| {
+            let mut acc = [0u64; 8];
+            for line in c.chunks_exact(64) {
+                for (l, a) in acc.iter_mut().enumerate() {
+                    let word: [u8; 8] = line[8 * l..8 * l + 8].try_into().expect("8 bytes");
+                    *a = a.wrapping_add(u64::from_le_bytes(word));
+                }
+            }
+            acc.iter().fold(0u64, |a, &v| a.wrapping_add(v))
+        })
+        .reduce(|| 0, |a, b| a.wrapping_add(b))
+}
+
 criterion_group!(
     benches,
     bench_linear,
     bench_attention,
     bench_attention_prefill,
-    bench_prefill_step
+    bench_prefill_step,
+    bench_linear_quant
 );
 criterion_main!(benches);

@@ -21,6 +21,8 @@ from strata_rs._core import (
     Usage,
     __version__,
     cuda_devices,
+    dequantize,
+    quantize,
     validate_messages,
 )
 
@@ -42,5 +44,7 @@ __all__ = [
     "Usage",
     "__version__",
     "cuda_devices",
+    "dequantize",
+    "quantize",
     "validate_messages",
 ]

@@ -38,6 +38,19 @@ class CudaDevice(TypedDict):
 def cuda_devices() -> list[CudaDevice]:
     """The GPUs the CUDA driver reports; ``[]`` when there is no driver."""
 
+def quantize(array: npt.NDArray[np.float32], type: str) -> npt.NDArray[np.uint8]:
+    """Quantizes each row of a 2-D float32 array to the ggml block type ``type`` ("Q4_0",
+    "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+    "IQ4_XS"; case-insensitive): a ``[rows, row_bytes]`` uint8 array. Raises InvalidRequest
+    (a ValueError) naming the argument: unknown type, not a 2-D float32 array, columns not a
+    whole number of blocks."""
+
+def dequantize(data: npt.NDArray[np.uint8], type: str, cols: int) -> npt.NDArray[np.float32]:
+    """Dequantizes a 2-D uint8 array of ggml blocks of ``type``, ``cols`` values per row: a
+    ``[rows, cols]`` float32 array (the values ggml computes, to the bit). Raises InvalidRequest
+    (a ValueError) naming the argument: unknown type, ``cols`` not a multiple of the block size,
+    rows of the wrong byte length."""
+
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
     objects, each with a known role and text content); raises InvalidRequest naming the message."""

@@ -8,6 +8,7 @@ mod errors;
 mod json;
 mod logging;
 mod output;
+mod quant;
 mod sampling_params;
 mod stream;
 mod tokenizer;
@@ -55,6 +56,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PyUsage>()?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     m.add_function(wrap_pyfunction!(validate_messages, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
