@@ -42,7 +42,8 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 pub struct BlockLayout {
     /// Model fingerprint: also the prefix of every file name of this engine.
     pub salt: u64,
-    /// Opaque code of the K/V element type, given by the caller.
+    /// Code of the K/V format, given by the caller (the engine's `KvDtype::code`: one per
+    /// format, f32, f16, bf16 and q8_0 all distinct); opaque here.
     pub kv_dtype: u8,
     /// Tokens per block.
     pub block_size: u32,
