@@ -22,7 +22,7 @@
 
 use super::activation::Act;
 use super::iq4::LEVELS;
-use super::kquants::{scales_k4_u64, scales_q3k_u64};
+use super::kquants::scales_q3k_u64;
 use super::linear::{Out, QuantMatRef};
 use super::QuantType;
 use std::arch::x86_64::*;
@@ -76,10 +76,12 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
 /// loop cost a store-forwarding stall each (measured: 10x slower kernels).
 #[repr(C, align(64))]
 struct Tables {
-    /// i16 lane `l` -> per-32 scale `2c + l / 16` (chunk `c` of 64 weights).
-    k32: [[i16; 32]; 4],
-    /// i16 lane `l` -> per-16 scale `4c + l / 8`.
-    k16: [[i16; 32]; 4],
+    /// `vpshufb` index: i16 lanes of 128-bit quarter `q` <- scale `2c + q / 2` (chunk `c` of 64
+    /// weights, per-32 scales: eight i16 in every quarter of the source).
+    k32: [[i8; 64]; 4],
+    /// The same for per-16 scales: quarter `q` <- scale `4 (c % 2) + q` of the source's eight
+    /// (the half `c / 2` of the 16).
+    k16: [[i8; 64]; 2],
     /// i32 lane `l` -> per-32 scale `2c + l / 8`.
     x32: [[i32; 16]; 4],
     /// `red_pairs`' final permutes (block b, block b + 1).
@@ -92,8 +94,8 @@ struct Tables {
 
 static TABLES: Tables = {
     let mut t = Tables {
-        k32: [[0; 32]; 4],
-        k16: [[0; 32]; 4],
+        k32: [[0; 64]; 4],
+        k16: [[0; 64]; 2],
         x32: [[0; 16]; 4],
         pairs: [[0; 16]; 2],
         dup: [0; 16],
@@ -102,9 +104,13 @@ static TABLES: Tables = {
     let mut c = 0;
     while c < 4 {
         let mut l = 0;
-        while l < 32 {
-            t.k32[c][l] = (2 * c + l / 16) as i16;
-            t.k16[c][l] = (4 * c + l / 8) as i16;
+        while l < 64 {
+            // Byte l: quarter q = l / 16, low or high byte of the i16.
+            let (q, hi) = (l / 16, l % 2);
+            t.k32[c][l] = (2 * (2 * c + q / 2) + hi) as i8;
+            if c < 2 {
+                t.k16[c][l] = (2 * (4 * c + q) + hi) as i8;
+            }
             if l < 16 {
                 t.x32[c][l] = (2 * c + l / 8) as i32;
             }
@@ -132,6 +138,19 @@ const fn has_min(ty: u8) -> bool {
 }
 
 /// What every tile of one call shares.
+/// Prefetches the `len` bytes at `p` (every line they touch). Rows are short streams (1-2 KiB):
+/// the hardware prefetcher catches them too late, and each row's block otherwise starts with a
+/// miss (measured on Q6_K decode: half the time).
+#[inline(always)]
+fn prefetch(p: *const u8, len: usize) {
+    let mut off = 0;
+    while off < len + 63 {
+        // SAFETY: a prefetch never faults; the address may lie past the data.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off.min(len - 1)).cast()) };
+        off += 64;
+    }
+}
+
 struct Ctx<'a> {
     w: *const u8,
     rb: usize,
@@ -450,6 +469,13 @@ unsafe fn tile_b32<const TY: u8, const R: usize, const T: usize>(
         }
         let mut v = [_mm512_setzero_si512(); 16];
         for (r, row) in rows.iter().enumerate() {
+            if t0 == 0 {
+                // Blocks are contiguous: the last byte's line covers what the previous
+                // pair's prefetch did not.
+                let next = row.add(b * bb).wrapping_add(R * ctx.rb + 2 * bb - 1);
+                // SAFETY: a prefetch never faults.
+                _mm_prefetch::<_MM_HINT_T0>(next.cast());
+            }
             let wv = load_b32::<TY>(row.add(b * bb), bb, pair);
             for (t, x) in xv.iter().enumerate() {
                 v[t * R + r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, *x);
@@ -536,6 +562,49 @@ unsafe fn load_k<const TY: u8>(p: *const u8, c: usize) -> __m512i {
     }
 }
 
+/// Sixteen i16 as two vectors holding eight each in every 128-bit quarter.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn halves(v: __m256i) -> [__m512i; 2] {
+    [
+        _mm512_broadcast_i32x4(_mm256_castsi256_si128(v)),
+        _mm512_broadcast_i32x4(_mm256_extracti128_si256::<1>(v)),
+    ]
+}
+
+/// Q4_K / Q5_K: bytes 0-7 the 8 scales, 8-15 the 8 mins (6 bits each), unpacked in a register
+/// (what `kquants::scales_k4` computes).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn scales_k4_vec(p: *const u8) -> __m128i {
+    // Bytes 4..20 of the block: the 12 scale bytes q0..q11, then 4 bytes not used.
+    let q = _mm_loadu_si128(p.add(4).cast());
+    // Low bits: sc0-3 = q0-3 & 63, sc4-7 = q8-11 & 15, m0-3 = q4-7 & 63, m4-7 = q8-11 >> 4.
+    let a = _mm_shuffle_epi8(
+        q,
+        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+    );
+    let low = _mm_or_si128(
+        _mm_and_si128(
+            a,
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
+        ),
+        _mm_and_si128(
+            _mm_srli_epi16::<4>(a),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+        ),
+    );
+    // Top bits of sc4-7 and m4-7: bits 6-7 of q0-3 and q4-7, moved to bits 4-5.
+    let b = _mm_shuffle_epi8(
+        q,
+        _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+    );
+    _mm_or_si128(
+        low,
+        _mm_and_si128(_mm_srli_epi16::<2>(b), _mm_set1_epi8(0x30)),
+    )
+}
+
 /// Per-16 lanes of eight per-32 values: lane `s` = `v8[s / 2]`. (A function, not a closure:
 /// closures do not get their caller's target features.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -547,8 +616,9 @@ unsafe fn dup(v8: __m128i) -> __m256i {
 
 /// One row's super-block scales as vectors.
 struct KScales {
-    /// Scales as i16: lanes 0-7 (per 32: Q4_K, Q5_K) or 0-15 (per 16), for `vpermw`.
-    sc: __m512i,
+    /// Scales as i16, eight in every 128-bit quarter (for an in-lane `vpshufb` per chunk): the
+    /// 8 per-32 scales (Q4_K, Q5_K, IQ4_XS: `sc[0]`), or the per-16 scales 0-7 and 8-15.
+    sc: [__m512i; 2],
     /// Per 16, i16: minimums (Q2_K, Q4_K, Q5_K) or `offset * scale` (Q3_K, Q6_K, IQ4_XS), for
     /// one `vpmaddwd` with the activation's 16 sums.
     side: __m256i,
@@ -559,12 +629,10 @@ struct KScales {
 unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
     match TY {
         Q4_K | Q5_K => {
-            let (sc, mn) = scales_k4_u64(std::slice::from_raw_parts(p.add(4), 12));
-            let sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
-            let mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64));
+            let v = scales_k4_vec(p);
             KScales {
-                sc: _mm512_castsi128_si512(sc16),
-                side: dup(mn16),
+                sc: [_mm512_broadcast_i32x4(_mm_cvtepu8_epi16(v)); 2],
+                side: dup(_mm_cvtepu8_epi16(_mm_srli_si128::<8>(v))),
             }
         }
         Q2_K => {
@@ -573,7 +641,7 @@ unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
             let sc = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
             let mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(raw), m4));
             KScales {
-                sc: _mm512_castsi256_si512(sc),
+                sc: halves(sc),
                 side: mn,
             }
         }
@@ -587,7 +655,7 @@ unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
             };
             let off = if TY == Q3_K { -4 } else { -32 };
             KScales {
-                sc: _mm512_castsi256_si512(sc),
+                sc: halves(sc),
                 side: _mm256_mullo_epi16(sc, _mm256_set1_epi16(off)),
             }
         }
@@ -604,7 +672,7 @@ unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
                 _mm_set1_epi16(32),
             );
             KScales {
-                sc: _mm512_castsi128_si512(ls),
+                sc: [_mm512_castsi128_si512(ls); 2],
                 side: dup(_mm_mullo_epi16(ls, _mm_set1_epi16(-128))),
             }
         }
@@ -621,16 +689,16 @@ unsafe fn chunk_scales<const TY: u8>(s: &KScales, c: usize) -> __m512i {
         // i16 lane l covers weights 2l, 2l + 1: per-32 scale 2c + l / 16.
         Q4_K | Q5_K => {
             let idx = _mm512_load_si512(TABLES.k32[c].as_ptr().cast());
-            _mm512_permutexvar_epi16(idx, s.sc)
+            _mm512_shuffle_epi8(s.sc[0], idx)
         }
         // Per-16 scale 4c + l / 8.
         Q2_K | Q3_K | Q6_K => {
-            let idx = _mm512_load_si512(TABLES.k16[c].as_ptr().cast());
-            _mm512_permutexvar_epi16(idx, s.sc)
+            let idx = _mm512_load_si512(TABLES.k16[c % 2].as_ptr().cast());
+            _mm512_shuffle_epi8(s.sc[c / 2], idx)
         }
         // i32 lane l covers weights 4l .. 4l + 3: per-32 scale 2c + l / 8.
         IQ4_XS => {
-            let sc32 = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(s.sc));
+            let sc32 = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(s.sc[0]));
             let idx = _mm512_load_si512(TABLES.x32[c].as_ptr().cast());
             _mm512_permutexvar_epi32(idx, sc32)
         }
@@ -671,6 +739,10 @@ unsafe fn tile_k<const TY: u8, const R: usize, const T: usize>(
         }
         for (r, row) in rows.iter().enumerate() {
             let p = row.add(sb * bb);
+            if t0 == 0 {
+                // The next row group's block (the first token tile reads the rows from memory).
+                prefetch(p.wrapping_add(R * ctx.rb), bb);
+            }
             let sc = k_scales::<TY>(p);
             // This row's accumulators in registers over the four chunks; stored once.
             let mut a = [_mm512_setzero_si512(); T];

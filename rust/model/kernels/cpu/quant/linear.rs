@@ -736,10 +736,15 @@ mod timing {
                     &mut scratch,
                 )
             });
+            let tr = best(reps, || {
+                std::hint::black_box(read_all(&data));
+            });
             println!(
-                "{one}: best {:.1} us, {:.1} GMAC/s",
+                "{one}: best {:.1} us, {:.1} GMAC/s, {:.1} GB/s of weights (plain read {:.1} GB/s)",
                 t * 1e6,
-                (n * m * k) as f64 / t / 1e9
+                (n * m * k) as f64 / t / 1e9,
+                data.len() as f64 / t / 1e9,
+                data.len() as f64 / tr / 1e9
             );
             return;
         }
