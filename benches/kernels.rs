@@ -283,7 +283,12 @@ fn quant_matrix(ty: QuantType, m: usize, k: usize) -> Vec<u8> {
 /// and [8192, 2048]; and a plain parallel read of each matrix's bytes.
 fn bench_linear_quant(c: &mut Criterion) {
     let threads = rayon::current_num_threads();
-    let types = [QuantType::Q4_K, QuantType::Q6_K, QuantType::Q8_0, QuantType::Q4_1];
+    let types = [
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+        QuantType::Q8_0,
+        QuantType::Q4_1,
+    ];
     let shapes = [(2048usize, 2048usize), (8192, 2048)];
     let mut scratch = QuantScratch::new(threads, 512, 2048);
     let mut g = c.benchmark_group("linear_quant_decode");

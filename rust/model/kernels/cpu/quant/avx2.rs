@@ -12,7 +12,7 @@
 
 use super::activation::Act;
 use super::iq4::LEVELS;
-use super::kquants::{scales_k4_u64, scales_q3k_u64};
+use super::kquants::scales_q3k_u64;
 use super::linear::{Out, QuantMatRef};
 use super::QuantType;
 use std::arch::x86_64::*;
@@ -447,11 +447,56 @@ unsafe fn load_k<const TY: u8>(p: *const u8, j: usize) -> __m256i {
     }
 }
 
-/// One row's super-block scales: the sub-block scale of each 32-weight chunk (two i16 per
-/// chunk: first and second 16 weights) and the per-16 side vector (as on AVX-512).
+/// One row's super-block scales: what each 32-weight chunk's scale vector is built from, and
+/// the per-16 side vector (as on AVX-512).
 struct KScales {
-    sc: [i16; 16],
+    /// Q4_K, Q5_K: the 8 per-32 scales as i16 (one 16-byte store: reading them back one by one
+    /// forwards from the store, unlike a vector load of values stored one by one).
+    sc32: [i16; 8],
+    /// Q3_K: the 16 scales before their -32, 8 bytes each (`kquants::scales_q3k_u64`).
+    q3: (u64, u64),
     side: __m256i,
+}
+
+/// Lanes 0-7 `a`, 8-15 `b`. (A function, not a closure: closures do not get their caller's
+/// target features.)
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn pair(a: i16, b: i16) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(b), _mm_set1_epi16(a))
+}
+
+/// Q4_K / Q5_K: bytes 0-7 the 8 scales, 8-15 the 8 mins (6 bits each), unpacked in a register
+/// (what `kquants::scales_k4` computes; SSSE3 only, so the AVX-512 path uses it too).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn scales_k4_vec(p: *const u8) -> __m128i {
+    // Bytes 4..20 of the block: the 12 scale bytes q0..q11, then 4 bytes not used.
+    let q = _mm_loadu_si128(p.add(4).cast());
+    // Low bits: sc0-3 = q0-3 & 63, sc4-7 = q8-11 & 15, m0-3 = q4-7 & 63, m4-7 = q8-11 >> 4.
+    let a = _mm_shuffle_epi8(
+        q,
+        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+    );
+    let low = _mm_or_si128(
+        _mm_and_si128(
+            a,
+            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
+        ),
+        _mm_and_si128(
+            _mm_srli_epi16::<4>(a),
+            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+        ),
+    );
+    // Top bits of sc4-7 and m4-7: bits 6-7 of q0-3 and q4-7, moved to bits 4-5.
+    let b = _mm_shuffle_epi8(
+        q,
+        _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+    );
+    _mm_or_si128(
+        low,
+        _mm_and_si128(_mm_srli_epi16::<2>(b), _mm_set1_epi8(0x30)),
+    )
 }
 
 /// Eight per-32 values as 16 per-16 lanes (`s / 2`).
@@ -464,51 +509,59 @@ unsafe fn dup(v8: __m128i) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn k_scales<const TY: u8>(p: *const u8) -> KScales {
-    let mut sc = [0i16; 16];
+    let mut sc32 = [0i16; 8];
+    let mut q3 = (0, 0);
     let side = match TY {
         Q4_K | Q5_K => {
-            let (s, mn) = scales_k4_u64(std::slice::from_raw_parts(p.add(4), 12));
-            for (i, o) in sc.iter_mut().enumerate() {
-                *o = ((s >> (8 * (i / 2))) & 0xFF) as i16;
-            }
-            dup(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)))
+            let v = scales_k4_vec(p);
+            _mm_storeu_si128(sc32.as_mut_ptr().cast(), _mm_cvtepu8_epi16(v));
+            dup(_mm_cvtepu8_epi16(_mm_srli_si128::<8>(v)))
         }
         Q2_K => {
-            for (i, o) in sc.iter_mut().enumerate() {
-                *o = (*p.add(i) & 15) as i16;
-            }
             let raw = _mm_loadu_si128(p.cast());
             _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(15)))
         }
         Q3_K => {
             let (a, b) = scales_q3k_u64(std::slice::from_raw_parts(p.add(96), 12));
-            for (i, o) in sc.iter_mut().enumerate() {
-                let v = if i < 8 { a } else { b };
-                *o = ((v >> (8 * (i % 8))) & 0xFF) as i16 - 32;
-            }
+            q3 = (a, b);
             let u = _mm256_cvtepu8_epi16(_mm_set_epi64x(b as i64, a as i64));
             let s = _mm256_sub_epi16(u, _mm256_set1_epi16(32));
             _mm256_mullo_epi16(s, _mm256_set1_epi16(-4))
         }
         Q6_K => {
-            for (i, o) in sc.iter_mut().enumerate() {
-                *o = *p.add(192 + i) as i8 as i16;
-            }
             let s = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()));
             _mm256_mullo_epi16(s, _mm256_set1_epi16(-32))
         }
-        IQ4_XS => {
-            let high = (p.add(2) as *const u16).read_unaligned();
-            for (i, o) in sc.iter_mut().enumerate() {
-                let j = i / 2;
-                let lo = ((*p.add(4 + j / 2) >> (4 * (j % 2))) & 15) as i16;
-                *o = (lo | (((high >> (2 * j)) & 3) as i16) << 4) - 32;
-            }
-            _mm256_setzero_si256()
-        }
+        IQ4_XS => _mm256_setzero_si256(),
         _ => unreachable!(),
     };
-    KScales { sc, side }
+    KScales { sc32, q3, side }
+}
+
+/// The scale vector of chunk `j` (32 weights): i16 lanes 0-7 the first 16 weights' scale,
+/// 8-15 the second's.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn chunk_scales<const TY: u8>(p: *const u8, s: &KScales, j: usize) -> __m256i {
+    match TY {
+        Q4_K | Q5_K => _mm256_set1_epi16(s.sc32[j]),
+        Q6_K => pair(
+            *p.add(192 + 2 * j) as i8 as i16,
+            *p.add(193 + 2 * j) as i8 as i16,
+        ),
+        Q2_K => pair((*p.add(2 * j) & 15) as i16, (*p.add(2 * j + 1) & 15) as i16),
+        Q3_K => {
+            let v = if j < 4 { s.q3.0 } else { s.q3.1 };
+            let at = |i: usize| ((v >> (8 * i)) & 0xFF) as i16 - 32;
+            pair(at(2 * (j % 4)), at(2 * (j % 4) + 1))
+        }
+        IQ4_XS => {
+            let high = (p.add(2) as *const u16).read_unaligned();
+            let lo = ((*p.add(4 + j / 2) >> (4 * (j % 2))) & 15) as i16;
+            _mm256_set1_epi16((lo | (((high >> (2 * j)) & 3) as i16) << 4) - 32)
+        }
+        _ => unreachable!(),
+    }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -550,10 +603,7 @@ unsafe fn tile_k<const TY: u8, const R: usize, const T: usize>(
             let mut a = [_mm256_setzero_si256(); T];
             for j in 0..8 {
                 let wv = load_k::<TY>(p, j);
-                let cs = _mm256_set_m128i(
-                    _mm_set1_epi16(sc.sc[2 * j + 1]),
-                    _mm_set1_epi16(sc.sc[2 * j]),
-                );
+                let cs = chunk_scales::<TY>(p, &sc, j);
                 for (at, &tok) in a.iter_mut().zip(&toks) {
                     let xp = act.qs.as_ptr().add(tok * k + 256 * sb + 32 * j);
                     let xv = _mm256_loadu_si256(xp.cast());

@@ -21,6 +21,7 @@
 //! - IQ4_XS: levels + 128 through a byte shuffle, `vpdpbusd`, times the 32-weight scales.
 
 use super::activation::Act;
+use super::avx2::scales_k4_vec;
 use super::iq4::LEVELS;
 use super::kquants::scales_q3k_u64;
 use super::linear::{Out, QuantMatRef};
@@ -570,39 +571,6 @@ unsafe fn halves(v: __m256i) -> [__m512i; 2] {
         _mm512_broadcast_i32x4(_mm256_castsi256_si128(v)),
         _mm512_broadcast_i32x4(_mm256_extracti128_si256::<1>(v)),
     ]
-}
-
-/// Q4_K / Q5_K: bytes 0-7 the 8 scales, 8-15 the 8 mins (6 bits each), unpacked in a register
-/// (what `kquants::scales_k4` computes).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
-unsafe fn scales_k4_vec(p: *const u8) -> __m128i {
-    // Bytes 4..20 of the block: the 12 scale bytes q0..q11, then 4 bytes not used.
-    let q = _mm_loadu_si128(p.add(4).cast());
-    // Low bits: sc0-3 = q0-3 & 63, sc4-7 = q8-11 & 15, m0-3 = q4-7 & 63, m4-7 = q8-11 >> 4.
-    let a = _mm_shuffle_epi8(
-        q,
-        _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
-    );
-    let low = _mm_or_si128(
-        _mm_and_si128(
-            a,
-            _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0),
-        ),
-        _mm_and_si128(
-            _mm_srli_epi16::<4>(a),
-            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
-        ),
-    );
-    // Top bits of sc4-7 and m4-7: bits 6-7 of q0-3 and q4-7, moved to bits 4-5.
-    let b = _mm_shuffle_epi8(
-        q,
-        _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
-    );
-    _mm_or_si128(
-        low,
-        _mm_and_si128(_mm_srli_epi16::<2>(b), _mm_set1_epi8(0x30)),
-    )
 }
 
 /// Per-16 lanes of eight per-32 values: lane `s` = `v8[s / 2]`. (A function, not a closure:
