@@ -453,17 +453,7 @@ mod tests {
                 let x: Vec<f32> = (0..256 * 16)
                     .map(|_| (rng.next() + rng.next() + rng.next()) * scale)
                     .collect();
-                let mut q = vec![0u8; ty.row_bytes(x.len()).unwrap()];
-                quantize_row(ty, &x, &mut q);
-                let mut y = vec![0f32; x.len()];
-                dequantize_row(ty, &q, &mut y);
-                let err: f64 = x
-                    .iter()
-                    .zip(&y)
-                    .map(|(a, b)| ((a - b) as f64).powi(2))
-                    .sum();
-                let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
-                let rel = (err / norm).sqrt();
+                let rel = super::super::round_trip_rel_rms(ty, &x);
                 assert!(rel < bound, "{ty:?} x{scale}: relative RMS error {rel}");
             }
             let x = vec![0f32; 256];

@@ -323,6 +323,22 @@ pub(crate) fn round_i(v: f32) -> i32 {
     ((v + MAGIC) - MAGIC) as i32
 }
 
+/// Relative RMS error of `x` quantized to `ty` and read back (the quantizers' tests).
+#[cfg(test)]
+pub(crate) fn round_trip_rel_rms(ty: QuantType, x: &[f32]) -> f64 {
+    let mut q = vec![0u8; ty.row_bytes(x.len()).expect("whole blocks")];
+    quantize_row(ty, x, &mut q);
+    let mut y = vec![0f32; x.len()];
+    dequantize_row(ty, &q, &mut y);
+    let err: f64 = x
+        .iter()
+        .zip(&y)
+        .map(|(a, b)| ((a - b) as f64).powi(2))
+        .sum();
+    let norm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
+    (err / norm).sqrt()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
