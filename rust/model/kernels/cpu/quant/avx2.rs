@@ -109,16 +109,49 @@ static TABLES: Tables = {
     t
 };
 
-/// Prefetches the `len` bytes at `p` (every line they touch). Rows are short streams (1-2 KiB):
-/// the hardware prefetcher catches them too late, and each row's block otherwise starts with a
-/// miss (measured on Q6_K decode: half the time).
+/// Prefetches the `len` bytes at `p` (every line they touch) into L2.
 #[inline(always)]
 fn prefetch(p: *const u8, len: usize) {
     let mut off = 0;
     while off < len + 63 {
         // SAFETY: a prefetch never faults; the address may lie past the data.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off.min(len - 1)).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off.min(len - 1)).cast()) };
         off += 64;
+    }
+}
+
+/// How many row groups ahead the tiles prefetch.
+const AHEAD: usize = 2;
+
+/// Prefetches bytes `off .. off + len` of the row group [`AHEAD`] groups on, in address
+/// order. A tile reads its rows block by block across the group (a stride of one row between
+/// reads): to the hardware prefetcher and the DRAM those are 16 short streams and it catches
+/// none of them, so the tile streams a later group in at the pace it reads its own (`off`
+/// grows by what the tile has read of its group), a pattern memory serves at full speed, and
+/// into L2 (a group can outgrow L1). Figures in docs/benchmarks.md.
+#[inline(always)]
+fn prefetch_ahead(group: *const u8, group_bytes: usize, off: usize, len: usize) {
+    // One prefetch per 64 bytes from `off`: that covers `off .. off + len` (a line is fetched
+    // whole), and with a constant `len` the loop unrolls to a few instructions.
+    let p = group.wrapping_add(AHEAD * group_bytes + off);
+    let mut o = 0;
+    while o < len {
+        // SAFETY: a prefetch never faults; the address may lie past the data.
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(o).cast()) };
+        o += 64;
+    }
+}
+
+/// Bytes of one block of a 256-weight type, as a constant of the kernel's type parameter.
+const fn k_block_bytes(ty: u8) -> usize {
+    match ty {
+        Q2_K => 84,
+        Q3_K => 110,
+        Q4_K => 144,
+        Q5_K => 176,
+        Q6_K => 210,
+        IQ4_XS => 136,
+        _ => 0,
     }
 }
 
@@ -143,6 +176,9 @@ unsafe fn drive<const TY: u8, const R: usize, const T: usize>(
         bb: w.ty.block_bytes(),
         act,
     };
+    debug_assert!(TY < Q2_K || k_block_bytes(TY) == ctx.bb);
+    // The first groups' bytes (later groups are prefetched by the tiles before them).
+    prefetch(ctx.w.add(r0 * ctx.rb), (r1 - r0).min(AHEAD * R) * ctx.rb);
     let mut r = r0;
     while r < r1 {
         let vr = (r1 - r).min(R);
@@ -378,11 +414,9 @@ unsafe fn tile_b32<const TY: u8, const R: usize, const T: usize>(
         let mut v = [_mm256_setzero_si256(); 8];
         for (r, row) in rows.iter().enumerate() {
             if t0 == 0 && b % 2 == 0 {
-                // Blocks are contiguous: the last byte's line covers what the previous
-                // pair's prefetch did not.
-                let next = row.add(b * bb).wrapping_add(R * ctx.rb + 2 * bb - 1);
-                // SAFETY: a prefetch never faults.
-                _mm_prefetch::<_MM_HINT_T0>(next.cast());
+                // A later group in address order (`prefetch_ahead`): the pair's last byte's
+                // line covers what the previous pair's prefetch did not.
+                prefetch_ahead(wt, R * ctx.rb, (b * R + 2 * r + 2) * bb - 1, 1);
             }
             let wv = load_b32::<TY>(row.add(b * bb));
             for (t, x) in xv.iter().enumerate() {
@@ -596,8 +630,8 @@ unsafe fn tile_k<const TY: u8, const R: usize, const T: usize>(
         for (r, row) in rows.iter().enumerate() {
             let p = row.add(sb * bb);
             if t0 == 0 {
-                // The next row group's block (the first token tile reads the rows from memory).
-                prefetch(p.wrapping_add(R * ctx.rb), bb);
+                // (The first token tile reads the rows from memory.)
+                prefetch_ahead(wt, R * ctx.rb, (sb * R + r) * bb, k_block_bytes(TY));
             }
             let sc = k_scales::<TY>(p);
             let mut a = [_mm256_setzero_si256(); T];

@@ -700,21 +700,24 @@ mod timing {
             _ => Isa::detect(),
         });
         println!("{isa:?}, {threads} threads");
-        // QUANT_ONE="Q4_K 512 2048 2048 reps": one configuration only (for `perf stat`).
+        // QUANT_ONE="Q4_K n m k reps [copies]": one configuration only (for `perf stat`);
+        // with `copies`, that many distinct matrices in turn, so the weights come from DRAM as
+        // in a whole model (the mean over all calls then, not the best).
         if let Ok(one) = std::env::var("QUANT_ONE") {
             let f: Vec<&str> = one.split_whitespace().collect();
             let ty = QuantType::from_name(f[0]).unwrap();
             let [n, m, k, reps] = [1, 2, 3, 4].map(|i| f[i].parse::<usize>().unwrap());
+            let copies = f.get(5).map_or(1, |c| c.parse::<usize>().unwrap());
             let rb = ty.row_bytes(k).unwrap();
             let mut row = vec![0u8; rb];
             let xs: Vec<f32> = (0..k)
                 .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
             super::super::quantize_row(ty, &xs, &mut row);
-            let data: Vec<u8> = (0..m).flat_map(|_| row.iter().copied()).collect();
-            let w = QuantMatRef {
+            let data: Vec<u8> = (0..m * copies).flat_map(|_| row.iter().copied()).collect();
+            let mat = |c: usize| QuantMatRef {
                 ty,
-                data: &data,
+                data: &data[c * m * rb..(c + 1) * m * rb],
                 rows: m,
                 cols: k,
             };
@@ -723,28 +726,46 @@ mod timing {
                 .collect();
             let mut y = vec![0f32; n * m];
             let mut scratch = QuantScratch::new(threads, n, k);
-            let t = best(reps, || {
+            let mut run = |c: usize| {
                 linear_group_with(
                     isa,
                     &x,
                     n,
                     &mut [QuantOut {
-                        w,
+                        w: mat(c),
                         bias: None,
                         y: &mut y,
                     }],
                     &mut scratch,
                 )
-            });
-            let tr = best(reps, || {
-                std::hint::black_box(read_all(&data));
-            });
+            };
+            let (t, tr) = if copies == 1 {
+                let t = best(reps, || run(0));
+                (
+                    t,
+                    best(reps, || {
+                        std::hint::black_box(read_all(&data));
+                    }),
+                )
+            } else {
+                let t0 = Instant::now();
+                for i in 0..reps * copies {
+                    run(i % copies);
+                }
+                let t = t0.elapsed().as_secs_f64() / (reps * copies) as f64;
+                let t0 = Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(read_all(&data));
+                }
+                (t, t0.elapsed().as_secs_f64() / (reps * copies) as f64)
+            };
             println!(
-                "{one}: best {:.1} us, {:.1} GMAC/s, {:.1} GB/s of weights (plain read {:.1} GB/s)",
+                "{one}: {} {:.1} us, {:.1} GMAC/s, {:.1} GB/s of weights (plain read {:.1} GB/s)",
+                if copies == 1 { "best" } else { "mean" },
                 t * 1e6,
                 (n * m * k) as f64 / t / 1e9,
-                data.len() as f64 / t / 1e9,
-                data.len() as f64 / tr / 1e9
+                (m * rb) as f64 / t / 1e9,
+                (m * rb) as f64 / tr / 1e9
             );
             return;
         }
