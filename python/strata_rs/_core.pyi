@@ -399,6 +399,7 @@ class Engine:
         layer_split: str | int | Sequence[int] | None = None,
         vram_reserve_mib: int = 1024,
         kv_dtype: str | None = None,
+        quantize: str | None = None,
     ) -> Awaitable[Engine]:
         """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
         DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
@@ -414,6 +415,14 @@ class Engine:
         for f32 weights, else f16. bf16 and q8_0 run on the CPU only (a GPU refuses them).
         info["kv_dtype"] shows it. A disk tier's files are one format's: a restart with another
         kv_dtype neither adopts nor reads them.
+        quantize (keyword-only): quantize a Hugging Face folder's weight matrices at load to
+        "q8_0", "q4_k" or "q6_k" (ggml's block types, the blocks strata_rs.quantize makes), so
+        a bf16 checkpoint runs at quantized speed without a conversion step: every layer
+        matrix to that type, the head to q6_k (q8_0 with "q8_0"); a matrix whose rows are not
+        whole blocks of it gets q8_0, or stays as stored if they are not whole blocks of 32.
+        The embedding stays as stored. info["quantize"] shows it and info["dtype"] the type
+        holding the most bytes. A GGUF file is refused (already quantized): InvalidRequest
+        naming quantize. Runs on the CPU only.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

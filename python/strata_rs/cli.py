@@ -12,6 +12,11 @@ from pathlib import Path
 from typing import Any
 
 KV_DTYPES = ("f32", "f16", "bf16", "q8_0")
+QUANTIZE_TYPES = ("q8_0", "q4_k", "q6_k")
+QUANTIZE_HELP = (
+    "quantize a Hugging Face folder's weight matrices at load to this ggml block type (the "
+    "head to q6_k, or q8_0 with q8_0); default: as stored"
+)
 KV_DTYPE_HELP = (
     "K/V cache format: f32, f16, bf16 or q8_0 (8-bit, 34 bytes per 32 values: about half of "
     "f16's memory, so twice the context and conversations in every cache tier); default: f32 "
@@ -70,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu")
     b.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     b.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=KV_DTYPE_HELP)
+    b.add_argument("--quantize", choices=QUANTIZE_TYPES, default=None, help=QUANTIZE_HELP)
     b.add_argument("--prefill", type=_int_list, default=[512, 2048], help="prompt lengths")
     b.add_argument(
         "--decode-context", type=_int_list, default=[512, 2048], help="contexts to decode at"
@@ -216,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
         help="K/V pool budget (default: one max-context sequence, at most 2 GiB)",
     )
     s.add_argument("--kv-dtype", choices=KV_DTYPES, default=None, help=KV_DTYPE_HELP)
+    s.add_argument("--quantize", choices=QUANTIZE_TYPES, default=None, help=QUANTIZE_HELP)
     s.add_argument(
         "--max-batch-tokens", type=int, default=512, help="tokens per step (prefill chunk size)"
     )
@@ -330,6 +337,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         max_context=need,
         kv_dtype=args.kv_dtype,
+        quantize=args.quantize,
     )
     try:
         result = await engine.benchmark(
@@ -364,6 +372,7 @@ def _compare_spec(args: argparse.Namespace) -> Any:
         device=args.device,
         gguf=args.gguf,
         disk_dir=args.disk_dir,
+        quantize=args.quantize,
     )
 
 
@@ -585,6 +594,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_context": args.max_context,
         "kv_memory_mib": args.kv_memory_mib,
         "kv_dtype": args.kv_dtype,
+        "quantize": args.quantize,
         "max_batch_tokens": args.max_batch_tokens,
         "max_waiting": args.max_waiting,
         "threads": args.threads,

@@ -22,6 +22,7 @@ use crate::device::{self, split, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
+use crate::model::kernels::cpu::quant::QuantType;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Model, ModelSource};
 use core::EngineCore;
@@ -65,6 +66,9 @@ pub struct EngineOptions {
     /// Format of the K/V cache ("f32", "f16", "bf16", "q8_0": [`KvDtype::parse`]); `None`: from
     /// the weights ([`KvDtype::for_weights`]).
     pub kv_dtype: Option<String>,
+    /// Quantize a Hugging Face folder's weight matrices at load ("q8_0", "q4_k", "q6_k":
+    /// [`Model::quantize`]); `None`: as stored.
+    pub quantize: Option<String>,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
     pub max_context: Option<usize>,
     /// The conversation cache below the device.
@@ -90,6 +94,7 @@ impl Default for EngineOptions {
             max_waiting: 256,
             kv_memory_mib: None,
             kv_dtype: None,
+            quantize: None,
             max_context: None,
             cache: CacheOptions::default(),
             device_memory_mib: None,
@@ -110,6 +115,8 @@ pub struct EngineInfo {
     pub dtype: &'static str,
     /// Format of the K/V cache ("f32", "f16", "bf16" or "q8_0").
     pub kv_dtype: &'static str,
+    /// The type the weights were quantized to at load (`quantize`), if they were.
+    pub quantize: Option<&'static str>,
     pub device: String,
     pub threads: usize,
     pub max_context: usize,
@@ -249,6 +256,11 @@ impl Engine {
     /// Loads the model folder and starts the engine thread. Blocking: run it off the event loop.
     pub fn load(dir: &Path, opts: EngineOptions) -> Result<Engine> {
         let kv_choice = opts.kv_dtype.as_deref().map(KvDtype::parse).transpose()?;
+        let quantize = opts
+            .quantize
+            .as_deref()
+            .map(crate::model::parse_quantize)
+            .transpose()?;
         if let (Device::Cuda(_), Some(d @ (KvDtype::Bf16 | KvDtype::Q8_0))) =
             (&opts.device, kv_choice)
         {
@@ -306,6 +318,26 @@ impl Engine {
         // The RoPE table is sized below, once the pool has bounded the context: a context taken
         // from the config (or max_context) can be far larger than memory.
         let mut model = Model::load_source(&source, 0)?;
+        if let Some(ty) = quantize {
+            if let ModelSource::Gguf(path) = &source {
+                return Err(StrataError::invalid(
+                    "quantize",
+                    format!(
+                        "{} is a GGUF file, already in its stored types; quantize applies to \
+                         Hugging Face folders",
+                        path.display()
+                    ),
+                ));
+            }
+            let fell_back = model.quantize(ty)?;
+            if fell_back > 0 {
+                log::info!(
+                    "quantize={}: {fell_back} matrices have rows that are not whole blocks of \
+                     it (q8_0 or as stored instead)",
+                    ty.lower_name()
+                );
+            }
+        }
         let config = model.config.clone();
         let layer_split = match &opts.layer_split {
             Some(spec) => split::parse_layer_split(spec, &devices, config.num_layers)?,
@@ -378,7 +410,7 @@ impl Engine {
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);
-        let salt = fingerprint(&source, &config, kv_dtype, BLOCK_SIZE);
+        let salt = fingerprint(&source, &config, kv_dtype, quantize, BLOCK_SIZE);
         let layout = BlockLayout {
             salt,
             kv_dtype: kv_dtype.code(),
@@ -462,6 +494,7 @@ impl Engine {
             dtype,
             decode_weight_bytes,
             kv_dtype: kv_dtype.name(),
+            quantize: quantize.map(|q| q.lower_name()),
             config,
             device: opts.device.name(),
             threads,
@@ -802,13 +835,14 @@ pub fn cuda_kv_refusal(d: KvDtype) -> StrataError {
 }
 
 /// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
-/// header and a sample of its bytes), the K/V format, layout and block size, so that cached K/V
-/// never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
+/// header and a sample of its bytes, and the type it was quantized to at load), the K/V format,
+/// layout and block size, so that cached K/V never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
 /// over each file) tells a retrained model from the one it replaced without reading every weight.
 fn fingerprint(
     source: &ModelSource,
     config: &ModelConfig,
     kv_dtype: KvDtype,
+    quantize: Option<QuantType>,
     block_size: usize,
 ) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
@@ -817,6 +851,9 @@ fn fingerprint(
         u64::from(kv_dtype.code()),
         crate::kv::blocks::KV_LAYOUT_VERSION,
     ];
+    if let Some(q) = quantize {
+        parts.push(xxh3_64(q.lower_name().as_bytes()));
+    }
     parts.push(config.vocab_size as u64);
     if let ModelSource::Folder(dir) = source {
         if let Ok(bytes) = std::fs::read(dir.join("config.json")) {

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Result, StrataError};
 use config::ModelConfig;
+use kernels::cpu::quant::QuantType;
 use kernels::cpu::rope::RopeTable;
 use weights::{DType, SafetensorsFiles, Tensor};
 
@@ -47,6 +48,34 @@ impl LayerWeights {
             &self.down_proj,
         ]
     }
+
+    fn matrices_mut(&mut self) -> [&mut Tensor; 7] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+        ]
+    }
+}
+
+/// Block types a Hugging Face folder can be quantized to at load (`quantize=`).
+pub const QUANTIZE_TYPES: [QuantType; 3] = [QuantType::Q8_0, QuantType::Q4_K, QuantType::Q6_K];
+
+/// Parses the `quantize` option: "q8_0", "q4_k" or "q6_k".
+pub fn parse_quantize(name: &str) -> Result<QuantType> {
+    QUANTIZE_TYPES
+        .into_iter()
+        .find(|t| t.lower_name() == name)
+        .ok_or_else(|| {
+            StrataError::invalid(
+                "quantize",
+                format!("must be \"q8_0\", \"q4_k\" or \"q6_k\", got {name:?}"),
+            )
+        })
 }
 
 pub struct Model {
@@ -336,13 +365,9 @@ impl Model {
         files.ignore("rope_freqs.weight");
         files.check_all_used()?;
 
-        // A GGUF file mixes types (Q4_K_M: Q4_K and Q6_K matrices); the model's dtype is the
-        // one that holds the most bytes. A safetensors folder has one dtype.
-        let mut bytes_by_dtype: Vec<(DType, usize)> = Vec::new();
-        let mut decode_weight_bytes = lm_head.byte_len();
-        for l in &layers {
-            for t in l.matrices() {
-                if names == Names::Hf && t.dtype != embed.dtype {
+        if names == Names::Hf {
+            for t in layers.iter().flat_map(|l| l.matrices()) {
+                if t.dtype != embed.dtype {
                     return Err(StrataError::model_load(
                         path,
                         format!(
@@ -352,17 +377,9 @@ impl Model {
                         ),
                     ));
                 }
-                match bytes_by_dtype.iter_mut().find(|(d, _)| *d == t.dtype) {
-                    Some((_, b)) => *b += t.byte_len(),
-                    None => bytes_by_dtype.push((t.dtype, t.byte_len())),
-                }
-                decode_weight_bytes += t.byte_len();
             }
         }
-        let dtype = bytes_by_dtype
-            .iter()
-            .max_by_key(|(_, b)| *b)
-            .map_or(embed.dtype, |(d, _)| *d);
+        let (dtype, decode_weight_bytes) = weight_summary(&embed, &layers, &lm_head);
         let rope = rope_table(c, max_positions)?;
         Ok(Model {
             config,
@@ -374,6 +391,52 @@ impl Model {
             dtype,
             decode_weight_bytes,
         })
+    }
+
+    /// Quantizes the weight matrices of a float model to `ty` at load (`quantize=`): every
+    /// layer matrix, and the head to Q6_K (Q8_0 when `ty` is Q8_0), as llama.cpp's Q4_K_M and
+    /// Q6_K files keep the head at 6 bits or more, its error reaching every logit. A matrix
+    /// whose rows are not whole 256-weight blocks gets Q8_0 if they are whole 32-weight blocks
+    /// and stays as it is otherwise (llama.cpp's quantizer falls back likewise). The embedding
+    /// stays as stored: a step reads one row of it. Returns how many matrices fell back.
+    pub fn quantize(&mut self, ty: QuantType) -> Result<usize> {
+        if let DType::Quant(q) = self.dtype {
+            return Err(StrataError::invalid(
+                "quantize",
+                format!(
+                    "the model is already quantized ({}); quantize applies to float models",
+                    q.lower_name()
+                ),
+            ));
+        }
+        let mut fell_back = 0;
+        let mut convert = |t: &Tensor, want: QuantType| -> Tensor {
+            let cols = t.shape[1];
+            let fit = [want, QuantType::Q8_0]
+                .into_iter()
+                .find(|q| cols.is_multiple_of(q.block_elems()));
+            if fit != Some(want) {
+                fell_back += 1;
+            }
+            match fit {
+                Some(q) => t.quantize(q),
+                None => t.clone(),
+            }
+        };
+        for layer in &mut self.layers {
+            for m in layer.matrices_mut() {
+                *m = convert(m, ty);
+            }
+        }
+        let head = if ty == QuantType::Q8_0 {
+            QuantType::Q8_0
+        } else {
+            QuantType::Q6_K
+        };
+        self.lm_head = convert(&self.lm_head, head);
+        (self.dtype, self.decode_weight_bytes) =
+            weight_summary(&self.embed, &self.layers, &self.lm_head);
+        Ok(fell_back)
     }
 
     /// Bytes of the tensors as loaded, for the device's memory accounting: the matrices (and the
@@ -426,6 +489,26 @@ impl Model {
         self.rope = rope_table(&self.config, max_positions)?;
         Ok(())
     }
+}
+
+/// The model's dtype and the bytes a decode step reads of its matrices. A GGUF file mixes
+/// types (Q4_K_M: Q4_K and Q6_K matrices); the model's dtype is the one that holds the most
+/// bytes of the layer matrices.
+fn weight_summary(embed: &Tensor, layers: &[LayerWeights], lm_head: &Tensor) -> (DType, usize) {
+    let mut bytes_by_dtype: Vec<(DType, usize)> = Vec::new();
+    let mut decode_weight_bytes = lm_head.byte_len();
+    for t in layers.iter().flat_map(|l| l.matrices()) {
+        match bytes_by_dtype.iter_mut().find(|(d, _)| *d == t.dtype) {
+            Some((_, b)) => *b += t.byte_len(),
+            None => bytes_by_dtype.push((t.dtype, t.byte_len())),
+        }
+        decode_weight_bytes += t.byte_len();
+    }
+    let dtype = bytes_by_dtype
+        .iter()
+        .max_by_key(|(_, b)| *b)
+        .map_or(embed.dtype, |(d, _)| *d);
+    (dtype, decode_weight_bytes)
 }
 
 fn rope_table(c: &ModelConfig, max_positions: usize) -> Result<RopeTable> {

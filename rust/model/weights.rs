@@ -14,7 +14,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use crate::error::{Result, StrataError};
-use crate::model::kernels::cpu::quant::{dequantize_row, QuantType};
+use crate::model::kernels::cpu::quant::{dequantize_row, quantize_row, QuantType};
 use crate::model::kernels::cpu::{MatRef, WeightData};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +76,8 @@ pub struct SafetensorsFiles {
 }
 
 /// A tensor view into a map. `Arc` keeps the map alive as long as any view exists. A tensor
-/// whose offset in the file is not aligned for its dtype (legal, rare) gets an aligned copy.
+/// whose offset in the file is not aligned for its dtype (legal, rare) gets an aligned copy, and
+/// a tensor quantized at load ([`Tensor::quantize`]) owns its blocks.
 #[derive(Clone)]
 pub struct Tensor {
     map: Arc<Mmap>,
@@ -84,14 +85,15 @@ pub struct Tensor {
     pub shape: Vec<usize>,
     start: usize,
     len: usize,
-    /// Copy used only when the file offset is not aligned for the dtype.
-    realigned: Option<Arc<Vec<u32>>>,
+    /// Owned bytes, used instead of the map's: an aligned copy when the file offset is not
+    /// aligned for the dtype, or the blocks of a tensor quantized at load.
+    owned: Option<Arc<Vec<u32>>>,
 }
 
 impl Tensor {
     /// The stored bytes, in the file's dtype (a GPU backend uploads them as they are).
     pub fn bytes(&self) -> &[u8] {
-        if let Some(words) = &self.realigned {
+        if let Some(words) = &self.owned {
             // SAFETY: a Vec<u32> is 4-aligned and holds at least `len` initialized bytes.
             return unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, self.len) };
         }
@@ -166,7 +168,7 @@ impl Tensor {
         start: usize,
         len: usize,
     ) -> Tensor {
-        let realigned = if !start.is_multiple_of(dtype.size()) {
+        let owned = if !start.is_multiple_of(dtype.size()) {
             let mut words = vec![0u32; len.div_ceil(4)];
             // SAFETY: `words` holds at least `len` bytes; the caller checked start..start+len.
             unsafe {
@@ -186,7 +188,49 @@ impl Tensor {
             shape,
             start,
             len,
-            realigned,
+            owned,
+        }
+    }
+
+    /// This `[rows, cols]` float matrix quantized row by row to `ty` (the same blocks as
+    /// `strata_rs.quantize`), as a tensor that owns them; the source's pages are not read again.
+    /// `cols` must be whole blocks of `ty` (the caller picks a type that fits).
+    pub fn quantize(&self, ty: QuantType) -> Tensor {
+        use rayon::prelude::*;
+        let (rows, cols) = (self.shape[0], self.shape[1]);
+        let row_bytes = ty.row_bytes(cols).expect("whole blocks");
+        let mut words = vec![0u32; (rows * row_bytes).div_ceil(4)];
+        // SAFETY: `words` holds at least rows * row_bytes bytes, and u8 has no alignment.
+        let out = unsafe {
+            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, rows * row_bytes)
+        };
+        let data = self.data();
+        out.par_chunks_mut(row_bytes).enumerate().for_each_init(
+            || vec![0f32; cols],
+            |row, (r, dst)| {
+                let src = r * cols..(r + 1) * cols;
+                match data {
+                    WeightData::F32(x) => row.copy_from_slice(&x[src]),
+                    WeightData::F16(x) => row
+                        .iter_mut()
+                        .zip(&x[src])
+                        .for_each(|(o, v)| *o = v.to_f32()),
+                    WeightData::Bf16(x) => row
+                        .iter_mut()
+                        .zip(&x[src])
+                        .for_each(|(o, v)| *o = v.to_f32()),
+                    WeightData::Quant(..) => unreachable!("quantize: a quantized source"),
+                }
+                quantize_row(ty, row, dst);
+            },
+        );
+        Tensor {
+            map: self.map.clone(),
+            dtype: DType::Quant(ty),
+            shape: self.shape.clone(),
+            start: 0,
+            len: rows * row_bytes,
+            owned: Some(Arc::new(words)),
         }
     }
 }

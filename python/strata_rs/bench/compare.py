@@ -80,6 +80,8 @@ class CompareSpec:
     device: str = "cpu"
     gguf: Path | None = None
     disk_dir: Path | None = None
+    # strata-rs's quantize= (the peers run the --gguf file, or the folder's bf16 export).
+    quantize: str | None = None
 
 
 def parse_scenarios(text: str) -> list[str]:
@@ -201,6 +203,7 @@ class _Strata:
             "kv_memory_mib": max(1, math.ceil(blocks * block_bytes / 2**20)),
             "host_cache_mib": max(16, math.ceil(3 * blocks * block_bytes / 2**20)),
             "disk_cache_mib": max(32, math.ceil(6 * blocks * block_bytes / 2**20)),
+            "quantize": s.quantize,
         }
 
     async def conversation(
@@ -528,6 +531,7 @@ async def _load_engine(spec: CompareSpec) -> Engine:
         "max_batch": max([8, *spec.streams]),
         # No disk tier: a run's prompts would be restored by the next run.
         "disk_cache_mib": 0,
+        "quantize": spec.quantize,
     }
     engine = await Engine.load(spec.model, **opts)
     info = engine.info

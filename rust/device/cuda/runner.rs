@@ -734,7 +734,8 @@ impl CudaRunner {
             return Err(crate::engine::cuda_kv_refusal(d));
         }
         let c = &model.config;
-        let quantized = std::iter::once(&model.embed)
+        let quantized = [&model.embed, &model.lm_head]
+            .into_iter()
             .chain(model.layers.iter().flat_map(|l| l.matrices()))
             .any(|t| matches!(t.dtype, DType::Quant(_)));
         if quantized || c.rope_pairing != RopePairing::Half {

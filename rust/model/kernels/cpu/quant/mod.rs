@@ -318,9 +318,20 @@ pub(crate) fn put_f16(b: &mut [u8], off: usize, v: f32) -> f32 {
 /// Inputs are clamped first (the trick needs |v| < 2^22); NaN gives 0.
 #[inline(always)]
 pub(crate) fn round_i(v: f32) -> i32 {
+    round_f(v) as i32
+}
+
+/// [`round_i`] as a float (the same integer, exactly): no float-to-int conversion, so the
+/// quantizers' search loops over a block vectorize.
+#[inline(always)]
+pub(crate) fn round_f(v: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
-    let v = v.clamp(-4.0e6, 4.0e6);
-    ((v + MAGIC) - MAGIC) as i32
+    let v = if v.is_nan() {
+        0.0
+    } else {
+        v.clamp(-4.0e6, 4.0e6)
+    };
+    (v + MAGIC) - MAGIC
 }
 
 /// Relative RMS error of `x` quantized to `ty` and read back (the quantizers' tests).

@@ -3,7 +3,36 @@
 //! minimum) to each candidate's levels by weighted least squares, and keeps the fit with the
 //! smallest weighted error. The same idea as ggml's `make_qkx2_quants` / `make_qx_quants`.
 
-use super::round_i;
+use super::round_f;
+
+/// Sums kept in 8 independent lanes, added together at the end. A single running sum is a chain
+/// of dependent adds (its latency, not the arithmetic, bounded the quantizers); lanes let the
+/// compiler vectorize. The blocks searched are 16 or 32 values, whole lanes.
+#[derive(Clone, Copy, Default)]
+struct Lanes([f32; 8]);
+
+impl Lanes {
+    fn total(self) -> f32 {
+        let a = self.0;
+        ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+    }
+}
+
+/// For each value of `x` (with its weight), in lanes of 8: `f(x, w)` summed into `N` sums.
+#[inline(always)]
+fn lane_sums<const N: usize>(x: &[f32], w: &[f32], f: impl Fn(f32, f32) -> [f32; N]) -> [f32; N] {
+    debug_assert!(x.len().is_multiple_of(8) && x.len() == w.len());
+    let mut acc = [Lanes::default(); N];
+    for (xc, wc) in x.chunks_exact(8).zip(w.chunks_exact(8)) {
+        for l in 0..8 {
+            let v = f(xc[l], wc[l]);
+            for (a, t) in acc.iter_mut().zip(v) {
+                a.0[l] += t;
+            }
+        }
+    }
+    acc.map(Lanes::total)
+}
 
 /// `x ≈ scale * q - min` with `q` in `0..=nmax`, `min >= 0` (ggml's asymmetric K-quant form):
 /// returns `(scale, min)`, minimising `sum w (scale q - min - x)^2` over the candidates.
@@ -13,19 +42,14 @@ pub(super) fn fit_affine(x: &[f32], w: &[f32], nmax: i32) -> (f32, f32) {
     if hi <= lo || hi.is_nan() {
         return (0.0, -lo);
     }
-    let (sw, swx) = x
-        .iter()
-        .zip(w)
-        .fold((0f32, 0f32), |(a, b), (&v, &wi)| (a + wi, b + wi * v));
+    let [sw, swx] = lane_sums(x, w, |v, wi| [wi, wi * v]);
     let error = |scale: f32, off: f32, iscale: f32| -> f32 {
-        x.iter()
-            .zip(w)
-            .map(|(&v, &wi)| {
-                let q = round_i(iscale * (v - off)).clamp(0, nmax) as f32;
-                let e = scale * q + off - v;
-                wi * e * e
-            })
-            .sum()
+        let [e2] = lane_sums(x, w, |v, wi| {
+            let q = round_f(iscale * (v - off)).clamp(0.0, nmax as f32);
+            let e = scale * q + off - v;
+            [wi * e * e]
+        });
+        e2
     };
     // The plain range fit first: scale = (hi - lo) / nmax, offset lo.
     let mut best_scale = (hi - lo) / nmax as f32;
@@ -34,13 +58,10 @@ pub(super) fn fit_affine(x: &[f32], w: &[f32], nmax: i32) -> (f32, f32) {
     // Candidate inverse scales stretching the range over nmax - 1 .. nmax + 1 levels.
     for step in 0..=20 {
         let iscale = (nmax as f32 - 1.0 + 0.1 * step as f32) / (hi - lo);
-        let (mut sl, mut sll, mut slx) = (0f32, 0f32, 0f32);
-        for (&v, &wi) in x.iter().zip(w) {
-            let q = round_i(iscale * (v - lo)).clamp(0, nmax) as f32;
-            sl += wi * q;
-            sll += wi * q * q;
-            slx += wi * q * v;
-        }
+        let [sl, sll, slx] = lane_sums(x, w, |v, wi| {
+            let q = round_f(iscale * (v - lo)).clamp(0.0, nmax as f32);
+            [wi * q, wi * q * q, wi * q * v]
+        });
         // Normal equations of min over (scale, off) of sum w (scale q + off - x)^2.
         let det = sw * sll - sl * sl;
         if det <= 0.0 {
@@ -78,12 +99,10 @@ pub(super) fn fit_symmetric(x: &[f32], w: &[f32], nmax: i32) -> f32 {
     let mut best_scale = -max / nmax as f32;
     for step in -9..=9 {
         let iscale = -(nmax as f32 + 0.1 * step as f32) / max;
-        let (mut sqx, mut sqq) = (0f32, 0f32);
-        for (&v, &wi) in x.iter().zip(w) {
-            let q = round_i(iscale * v).clamp(-nmax, nmax - 1) as f32;
-            sqx += wi * q * v;
-            sqq += wi * q * q;
-        }
+        let [sqx, sqq] = lane_sums(x, w, |v, wi| {
+            let q = round_f(iscale * v).clamp(-nmax as f32, (nmax - 1) as f32);
+            [wi * q * v, wi * q * q]
+        });
         if sqq > 0.0 && sqx * sqx > best_gain * sqq {
             best_gain = sqx * sqx / sqq;
             best_scale = sqx / sqq;
