@@ -175,9 +175,13 @@ def _layer_window(config: Mapping[str, Any], layer: int) -> int | None:
     return None
 
 
-def _attention_mask(n: int, window: int | None) -> np.ndarray:
-    """True where query i may attend key j."""
-    i = np.arange(n)[:, None]
+# Query rows per block of the reference's attention.
+QUERY_BLOCK = 512
+
+
+def _attention_mask(n: int, window: int | None, rows: range | None = None) -> np.ndarray:
+    """True where query i may attend key j (queries `rows`, default all n; keys 0..n)."""
+    i = np.arange(n)[:, None] if rows is None else np.asarray(rows)[:, None]
     j = np.arange(n)[None, :]
     mask = j <= i
     if window is not None:
@@ -337,13 +341,20 @@ def forward(
         # GQA: query head hq reads kv head hq // group.
         k = np.repeat(k, group, axis=0)
         v = np.repeat(v, group, axis=0)
-        scores = q @ k.transpose(0, 2, 1) / math.sqrt(head_dim)
-        mask = _attention_mask(n, _layer_window(config, layer))
-        scores = np.where(mask[None], scores, -np.inf)
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = np.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = (probs @ v).transpose(1, 0, 2).reshape(n, n_heads * head_dim)
+        window = _layer_window(config, layer)
+        attn = np.empty((n_heads, n, head_dim))
+        # Queries in blocks: each row's softmax is its own, and the [heads, n, n] scores of a
+        # long sequence (16K+ positions) would not fit in memory at once.
+        for r0 in range(0, n, QUERY_BLOCK):
+            r1 = min(n, r0 + QUERY_BLOCK)
+            scores = q[:, r0:r1] @ k[:, :r1].transpose(0, 2, 1) / math.sqrt(head_dim)
+            mask = _attention_mask(r1, window, range(r0, r1))
+            scores = np.where(mask[None], scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            attn[:, r0:r1] = probs @ v[:, :r1]
+        attn = attn.transpose(1, 0, 2).reshape(n, n_heads * head_dim)
         x = x + mm(attn, p + "self_attn.o_proj.weight", maybe(p + "self_attn.o_proj.bias"))
 
         h = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)

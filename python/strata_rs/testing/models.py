@@ -88,9 +88,23 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "head_dim": 64,
         "vocab_size": 128256,
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": 131072,
         "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5,
+    },
+}
+# config.json fields a preset sets beyond its shape: Llama-3.2-1B's long-context RoPE (llama3
+# scaling from an 8K original context to 131,072 positions) and its tied head.
+_PRESET_FIELDS: dict[str, dict[str, Any]] = {
+    "llama-1b": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
     },
 }
 # Presets whose tokenizer learns fewer tokens than the vocabulary (training 128K tokens on the
@@ -198,6 +212,7 @@ def build_config(
     config = _family_config(family, _PRESETS[preset], dtype)
     if preset == "tiny":
         config.update(_TINY_FAMILY[family])
+    config.update(_PRESET_FIELDS.get(preset, {}))
     shape_changed = "hidden_size" in overrides or "num_attention_heads" in overrides
     config.update(overrides)
     # Only Qwen3 decouples head_dim from hidden/heads; elsewhere keep the

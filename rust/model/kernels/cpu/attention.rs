@@ -2532,8 +2532,39 @@ mod tests {
     /// format (f32, f16, bf16, q8_0).
     #[test]
     fn attention_rows_are_batch_invariant() {
+        // Other rows to mix in: decode rows of every sequence, then a prefill run of sequence 1.
+        let mut others: Vec<(usize, usize)> = vec![(0, 2500), (1, 699), (2, 299), (3, 44)];
+        others.extend((600..640).map(|p| (1, p)));
+        // (1, 640): a position at a tile's first key, so that in the last tile it sees one key
+        // (a lanes path's edge).
+        let targets = [(0usize, 2999usize), (2, 130), (3, 40), (1, 640)];
+        batch_invariance(&[3000, 700, 300, 45], &targets, &others, &DTS, Some(1000));
+    }
+
+    /// The same at long context: a decode row at 16,400 keys (129 segments of split-K), with
+    /// rows of a short sequence and a prefill run beside it, in the K/V formats long contexts
+    /// use (f16, q8_0), without a window (the segments are the same code at any length).
+    #[test]
+    fn attention_rows_are_batch_invariant_at_16k() {
+        let mut others: Vec<(usize, usize)> = vec![(0, 2000), (1, 699)];
+        others.extend((600..620).map(|p| (1, p)));
+        batch_invariance(
+            &[16_400, 700],
+            &[(0, 16_399)],
+            &others,
+            &[Dt::F16, Dt::Q8_0],
+            None,
+        );
+    }
+
+    fn batch_invariance(
+        seq_lens: &[usize],
+        targets: &[(usize, usize)],
+        others: &[(usize, usize)],
+        dts: &[Dt],
+        window: Option<usize>,
+    ) {
         let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
-        let seq_lens = [3000usize, 700, 300, 45];
         let mut rng = Rng(31);
         let blocks_per: Vec<usize> = seq_lens.iter().map(|l| l.div_ceil(bs)).collect();
         let num_blocks: usize = blocks_per.iter().sum();
@@ -2562,23 +2593,18 @@ mod tests {
             let mut r = Rng(1000 * sq as u64 + pos as u64 + 1);
             (0..n_heads * hd).map(|_| r.next() * 2.0).collect()
         };
-        // Other rows to mix in: decode rows of every sequence, then a prefill run of sequence 1.
-        let mut others: Vec<(usize, usize)> = vec![(0, 2500), (1, 699), (2, 299), (3, 44)];
-        others.extend((600..640).map(|p| (1, p)));
         let pools = thread_pools(&[1, 2, 3]);
         let scale = 1.0 / (hd as f32).sqrt();
-        for dt in DTS {
+        for &dt in dts {
             let kv = stored.layer(dt);
             // bf16 widens as f16 does (one more exact conversion): no window, to save time.
-            let windows: &[Option<usize>] = match dt {
-                Dt::Bf16 => &[None],
-                _ => &[None, Some(1000)],
+            let windows = match (dt, window) {
+                (Dt::Bf16, _) | (_, None) => vec![None],
+                (_, Some(w)) => vec![None, Some(w)],
             };
-            for &window in windows {
+            for window in windows {
                 for isa in isas() {
-                    // (1, 640): a position at a tile's first key, so that in the last tile it
-                    // sees one key (a lanes path's edge).
-                    for target in [(0usize, 2999usize), (2, 130), (3, 40), (1, 640)] {
+                    for &target in targets {
                         let tq = qrow(target.0, target.1);
                         let solo = |isa: Isa, split: Split| {
                             let mut out = vec![f32::NAN; tq.len()];
