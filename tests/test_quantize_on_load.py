@@ -53,40 +53,55 @@ MATRICES = (
 )
 
 
-def quantized(w: np.ndarray, want: str) -> tuple[np.ndarray, str]:
-    """`w` as the engine quantizes it: (dequantized by the gguf package, the type used)."""
+def quantized(w: np.ndarray, want: str) -> tuple[np.ndarray, str, int]:
+    """`w` as the engine quantizes it: (dequantized by the gguf package, the type used, its
+    bytes)."""
     cols = w.shape[1]
     ty = next((t for t in (want, "q8_0") if cols % (256 if t.endswith("_k") else 32) == 0), None)
     if ty is None:
-        return w, "as stored"
+        return w, "as stored", w.nbytes
     blocks = strata_rs.quantize(np.ascontiguousarray(w, dtype=np.float32), ty)
     qtype = gguf.GGMLQuantizationType[ty.upper()]
-    return gguf.quants.dequantize(blocks, qtype).reshape(w.shape), ty
+    return gguf.quants.dequantize(blocks, qtype).reshape(w.shape), ty, blocks.nbytes
 
 
-def reference(folder: Path, ty: str) -> tuple[np.ndarray, set[str]]:
-    """The reference logits over SEQ, and the types the matrices were given."""
-    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
-    raw = {k: v.astype(np.float32) for k, v in load_weights(folder).items()}
-    used = set()
-    for layer in range(int(config["num_hidden_layers"])):
-        for m in MATRICES:
-            name = f"model.layers.{layer}.{m}.weight"
-            raw[name], t = quantized(raw[name], ty)
-            used.add(t)
-    tied = config["tie_word_embeddings"]
-    head = raw["model.embed_tokens.weight" if tied else "lm_head.weight"]
-    raw["lm_head.weight"], t = quantized(head, "q8_0" if ty == "q8_0" else "q6_k")
-    used.add(t)
-    # The head is its own quantized matrix now, the embedding stays as stored.
-    config = {**config, "tie_word_embeddings": False}
-    return forward(config, raw, SEQ, None), used
+class Reference:
+    """The reference logits over SEQ, the types the matrices were given, and the bytes the
+    engine's memory accounting must hold for the weights."""
+
+    def __init__(self, folder: Path, ty: str) -> None:
+        config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+        stored = load_weights(folder)
+        raw = {k: v.astype(np.float32) for k, v in stored.items()}
+        self.used: set[str] = set()
+        # The embedding as stored, the 1-D tensors as f32, the matrices as quantized.
+        stored_size = {"float32": 4, "bfloat16": 2, "float16": 2}[config["torch_dtype"]]
+        self.weight_bytes = stored["model.embed_tokens.weight"].size * stored_size
+        self.weight_bytes += sum(4 * v.size for v in stored.values() if v.ndim == 1)
+        for layer in range(int(config["num_hidden_layers"])):
+            for m in MATRICES:
+                name = f"model.layers.{layer}.{m}.weight"
+                raw[name], t, nbytes = quantized(raw[name], ty)
+                self.used.add(t)
+                self.weight_bytes += nbytes
+        tied = config["tie_word_embeddings"]
+        head = raw["model.embed_tokens.weight" if tied else "lm_head.weight"]
+        raw["lm_head.weight"], t, nbytes = quantized(head, "q8_0" if ty == "q8_0" else "q6_k")
+        self.used.add(t)
+        # The head is its own quantized matrix now (also when tied), the embedding as stored.
+        self.weight_bytes += nbytes
+        self.logits = forward({**config, "tie_word_embeddings": False}, raw, SEQ, None)
 
 
-async def logits(folder: Path, ids: list[int], **load: Any) -> tuple[np.ndarray, dict[str, Any]]:
+async def logits(
+    folder: Path, ids: list[int], **load: Any
+) -> tuple[np.ndarray, dict[str, Any], int]:
+    """The engine's logits, its info, and the bytes its CPU pool holds for the weights."""
     engine = await strata_rs.Engine.load(str(folder), **load)
     try:
-        return await engine.logits(ids), engine.info
+        got = await engine.logits(ids)
+        weights = engine.stats()["memory"]["cpu"]["in_use_bytes"]["weights"]
+        return got, engine.info, weights
     finally:
         await engine.close()
 
@@ -132,13 +147,15 @@ async def test_quantized_at_load_matches_the_reference(
     folder: Callable[..., Path], family: str, dtype: str, ty: str
 ) -> None:
     path = folder(family, dtype)
-    got, info = await logits(path, SEQ, quantize=ty)
-    want, used = reference(path, ty)
-    assert used == {ty, "q8_0" if ty == "q8_0" else "q6_k"}
+    got, info, weights = await logits(path, SEQ, quantize=ty)
+    ref = Reference(path, ty)
+    assert ref.used == {ty, "q8_0" if ty == "q8_0" else "q6_k"}
     assert info["quantize"] == ty
     assert info["dtype"] == ty
     assert info["format"] == "hf"
-    check(got, want, f"{family} {dtype} -> {ty}")
+    # The device's accounting holds the quantized sizes (and a tied head's own copy: qwen3).
+    assert weights == ref.weight_bytes
+    check(got, ref.logits, f"{family} {dtype} -> {ty}")
 
 
 async def test_rows_that_are_not_whole_blocks_fall_back_to_q8_0(
@@ -147,13 +164,14 @@ async def test_rows_that_are_not_whole_blocks_fall_back_to_q8_0(
     # Hidden 96: rows of 96 are not whole 256-blocks (q8_0 instead); the MLP's down rows of
     # 256 are.
     path = folder("llama", "f32", hidden_size=96, intermediate_size=256, head_dim=24)
-    got, info = await logits(path, SEQ, quantize="q4_k")
-    want, used = reference(path, "q4_k")
-    assert used == {"q4_k", "q8_0"}
+    got, info, weights = await logits(path, SEQ, quantize="q4_k")
+    ref = Reference(path, "q4_k")
+    assert ref.used == {"q4_k", "q8_0"}
+    assert weights == ref.weight_bytes
     assert info["quantize"] == "q4_k"
     # Six of the seven matrices a layer has hold rows of 96: q8_0 holds the most bytes.
     assert info["dtype"] == "q8_0"
-    check(got, want, "llama hidden 96 -> q4_k")
+    check(got, ref.logits, "llama hidden 96 -> q4_k")
 
 
 async def test_quantized_weights_decode_what_logits_predict(

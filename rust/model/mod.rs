@@ -442,8 +442,9 @@ impl Model {
     /// Bytes of the tensors as loaded, for the device's memory accounting: the matrices (and the
     /// embedding) at their size in the file, since they are views into the memory-mapped
     /// safetensors files (file-backed pages; an unaligned one is an owned copy of the same size),
-    /// plus the 1-D tensors (norms, biases) as the owned f32 copies made at load. A tied head is
-    /// the embedding itself and counts once. The RoPE table is not a tensor of the file: it is
+    /// plus the 1-D tensors (norms, biases) as the owned f32 copies made at load, and matrices
+    /// quantized at load at their quantized size. A tied head is the embedding itself and counts
+    /// once (a tied head quantized at load is a tensor of its own). The RoPE table is not a tensor of the file: it is
     /// the workspace's (see `ModelRunner::new`).
     pub fn weight_bytes(&self) -> usize {
         self.stage_weight_bytes(0..self.layers.len(), true, true)
@@ -466,7 +467,10 @@ impl Model {
         }
         if last {
             bytes += vector(&self.norm);
-            if !(self.config.tie_word_embeddings && first) {
+            // A tied head is the embedding's bytes, unless it was quantized at load (its own).
+            let head_is_embedding =
+                std::ptr::eq(self.lm_head.bytes().as_ptr(), self.embed.bytes().as_ptr());
+            if !(head_is_embedding && first) {
                 bytes += self.lm_head.byte_len();
             }
         }
