@@ -19,6 +19,8 @@ pub mod kquants;
 pub mod legacy;
 pub mod linear;
 mod search;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// A ggml block format, by its GGUF name.
 #[allow(non_camel_case_types)]
