@@ -28,6 +28,9 @@
 //! (split-K, as in flash-decoding) so that every thread has work; bigger batches run one task per
 //! (block of rows, K/V head) that walks its segments in order. All give the same bits.
 
+#[cfg(target_arch = "x86_64")]
+mod row_avx512;
+
 use super::kv_q8;
 use super::swiglu::fast_exp;
 use half::{bf16, f16};
@@ -853,6 +856,27 @@ struct Geom {
 /// A layer's K/V as the kernel reads it: tiles of keys and rows of values widened to f32 (in
 /// the same values whatever the ISA `W`).
 trait KvSource: Copy + Send + Sync {
+    /// The element type of [`KvSource::tile_at`]'s addresses.
+    type Elem: KvElem;
+
+    /// Whether tiles can be read in place ([`KvSource::tile_at`]): the stored elements widen to
+    /// f32 on their own (f32, f16, bf16), unlike q8_0's, which need their scales.
+    const IN_PLACE: bool;
+
+    /// Where keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, and their
+    /// value rows lie, for sources that are [`KvSource::IN_PLACE`].
+    ///
+    /// # Safety
+    /// The block lies in the cache.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_at(
+        &self,
+        geo: Geom,
+        block: usize,
+        r0: usize,
+        g: usize,
+    ) -> row_avx512::TileAt<Self::Elem>;
+
     /// Keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, into `kt`
     /// transposed: `kt[d * LANES + lane]`.
     ///
@@ -881,6 +905,28 @@ struct Elems<'a, E> {
 }
 
 impl<E: KvElem> KvSource for Elems<'_, E> {
+    type Elem = E;
+    const IN_PLACE: bool = true;
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn tile_at(
+        &self,
+        geo: Geom,
+        block: usize,
+        r0: usize,
+        g: usize,
+    ) -> row_avx512::TileAt<E> {
+        let Geom { bs, kvh, hd } = geo;
+        let slot = block * bs + r0;
+        row_avx512::TileAt {
+            k: self.k.as_ptr().add(k_index(slot, g, 0, bs, kvh, hd)),
+            k_stride: bs,
+            v: self.v.as_ptr().add((slot * kvh + g) * hd),
+            v_stride: kvh * hd,
+        }
+    }
+
     #[inline(always)]
     unsafe fn k_tile<W: Widen>(&self, geo: Geom, block: usize, r0: usize, g: usize, kt: *mut f32) {
         let Geom { bs, kvh, hd } = geo;
@@ -921,6 +967,15 @@ struct Q8<'a> {
 }
 
 impl KvSource for Q8<'_> {
+    // Never read in place: the tiles are widened with their scales (k_tile, v_row).
+    type Elem = f32;
+    const IN_PLACE: bool = false;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn tile_at(&self, _: Geom, _: usize, _: usize, _: usize) -> row_avx512::TileAt<f32> {
+        unreachable!("q8_0 K/V is not read in place")
+    }
+
     #[inline(always)]
     unsafe fn k_tile<W: Widen>(&self, geo: Geom, block: usize, r0: usize, g: usize, kt: *mut f32) {
         let Geom { bs, kvh, hd } = geo;
@@ -1173,6 +1228,18 @@ fn segment_pass<W: Widen, S: KvSource>(
     qt: Option<&[f32]>,
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
+    #[cfg(target_arch = "x86_64")]
+    if W::QUERY_LANES == LANES && S::IN_PLACE && qt.is_none() && bs.is_multiple_of(LANES) {
+        // One row on AVX-512 (two or more take the lanes path with `qt`): read in place.
+        debug_assert_eq!(parts.len(), 1);
+        if parts[0].0 <= parts[0].1 {
+            // SAFETY: W = Avx512, so the CPU has the features (detect_isa); the part's keys are
+            // at most the row's position, so their blocks are in its table and in the cache
+            // (checked on entry); accs[0] holds the group's accumulators.
+            unsafe { row_in_place(c, first, parts[0], g, &mut *accs[0], &mut states[0]) };
+        }
+        return;
+    }
     let table = c.table(first);
     let geo = Geom { bs, kvh, hd };
     let kt = tile.kt.as_mut_ptr().cast::<f32>();
@@ -1259,6 +1326,52 @@ fn segment_pass<W: Widen, S: KvSource>(
                     _ => tile_step::<4>(q, h, hd, kts, vts, lanes, c.scale, acc, st),
                 };
             }
+        }
+        t0 += LANES;
+    }
+}
+
+/// Keys `part` (inside one segment) of row `t`, K/V head `g`, tile by tile, read in place
+/// ([`row_avx512`]): what [`segment_pass`] computes for one row from widened tiles, to the bit.
+/// The tile two ahead (up to the row's last key, into its next segment) is prefetched.
+///
+/// # Safety
+/// AVX-512F/BW/VL, F16C and FMA; `S::IN_PLACE`, `bs % LANES == 0`; the part's keys are visible
+/// to the row; `acc` holds `group * hd` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+unsafe fn row_in_place<S: KvSource>(
+    c: &Ctx<S>,
+    t: usize,
+    part: (usize, usize),
+    g: usize,
+    acc: &mut [f32],
+    st: &mut State,
+) {
+    use row_avx512::{prefetch_tile, tile_step_in_place as step};
+    let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
+    let geo = Geom { bs, kvh, hd };
+    let table = c.table(t);
+    let q = c.q_group(t, g);
+    let (lo, hi) = part;
+    let last = visible(&c.rows[t], c.window).1;
+    let at = |t0: usize| c.kv.tile_at(geo, table[t0 / bs] as usize, t0 % bs, g);
+    let mut t0 = lo / LANES * LANES;
+    while t0 <= hi {
+        let ahead = t0 + 2 * LANES;
+        if ahead <= last {
+            prefetch_tile(at(ahead), hd);
+        }
+        let tile = at(t0);
+        let lanes = (lo.max(t0) - t0, hi.min(t0 + LANES - 1) - t0);
+        let mut h = 0;
+        while h < group {
+            h += match group - h {
+                1 => step::<S::Elem, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
+                2 => step::<S::Elem, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
+                3 => step::<S::Elem, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
+                _ => step::<S::Elem, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
+            };
         }
         t0 += LANES;
     }
