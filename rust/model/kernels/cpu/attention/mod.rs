@@ -63,6 +63,10 @@ const TASKS_PER_THREAD: usize = 4;
 /// per K/V head, 5300 segments, e.g. 2 rows of 3 K/V heads at 110k keys. Bigger plans run
 /// one task per (row, K/V head): the same bits, less parallel.
 const PARTS_FLOATS: usize = 1 << 20;
+/// How many tiles ahead a row read in place prefetches (into L2: into L1 the prefetches
+/// stalled on the core's miss buffers and gained nothing; docs/benchmarks.md).
+#[cfg(target_arch = "x86_64")]
+const PREFETCH_TILES: usize = 2;
 
 /// One layer's K or V storage (layouts in the module docs).
 #[derive(Clone, Copy, Debug)]
@@ -1333,7 +1337,8 @@ fn segment_pass<W: Widen, S: KvSource>(
 
 /// Keys `part` (inside one segment) of row `t`, K/V head `g`, tile by tile, read in place
 /// ([`row_avx512`]): what [`segment_pass`] computes for one row from widened tiles, to the bit.
-/// The tile two ahead (up to the row's last key, into its next segment) is prefetched.
+/// The tile [`PREFETCH_TILES`] ahead (up to the row's last key, into its next segment) is
+/// prefetched into L2.
 ///
 /// # Safety
 /// AVX-512F/BW/VL, F16C and FMA; `S::IN_PLACE`, `bs % LANES == 0`; the part's keys are visible
@@ -1358,7 +1363,7 @@ unsafe fn row_in_place<S: KvSource>(
     let at = |t0: usize| c.kv.tile_at(geo, table[t0 / bs] as usize, t0 % bs, g);
     let mut t0 = lo / LANES * LANES;
     while t0 <= hi {
-        let ahead = t0 + 2 * LANES;
+        let ahead = t0 + PREFETCH_TILES * LANES;
         if ahead <= last {
             prefetch_tile(at(ahead), hd);
         }

@@ -201,7 +201,7 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
     N
 }
 
-/// Brings the tile at `at` (K: `hd` vectors of 16 keys; V: 16 rows) towards the core ahead of
+/// Brings the tile at `at` (K: `hd` vectors of 16 keys; V: 16 rows) into L2 ahead of
 /// its use: the tiles of a segment lie in blocks scattered over the pool, which the hardware
 /// prefetcher does not follow across.
 ///
@@ -214,7 +214,7 @@ pub(super) unsafe fn prefetch_tile<E: KvElem>(at: TileAt<E>, hd: usize) {
     // K: one 16-key vector per element d; a line holds 64 / k_bytes of them when contiguous.
     let mut d = 0;
     while d < hd {
-        _mm_prefetch::<_MM_HINT_T0>(at.k.add(d * at.k_stride).cast());
+        _mm_prefetch::<_MM_HINT_T1>(at.k.add(d * at.k_stride).cast());
         d += if at.k_stride == LANES {
             (64 / k_bytes).max(1)
         } else {
@@ -226,7 +226,7 @@ pub(super) unsafe fn prefetch_tile<E: KvElem>(at: TileAt<E>, hd: usize) {
         let row = at.v.add(l * at.v_stride).cast::<i8>();
         let mut o = 0;
         while o < v_bytes {
-            _mm_prefetch::<_MM_HINT_T0>(row.add(o));
+            _mm_prefetch::<_MM_HINT_T1>(row.add(o));
             o += 64;
         }
     }
