@@ -90,11 +90,14 @@ struct LoopHooks {
 }
 
 /// The event loop of the async library running this thread: asyncio's own loop (checked first,
-/// without leaving Rust: the common case stays as cheap as it was), else what
-/// `strata_rs._async.current_loop` finds (a trio run's `TrioLoop`). Raises RuntimeError outside
+/// without leaving Rust: the common case stays as cheap as it was), a trio run's `TrioLoop`
+/// when sniffio's thread-local says trio (straight to `_trio.current_loop`: this runs on every
+/// `__anext__`), else what `strata_rs._async.current_loop` finds. Raises RuntimeError outside
 /// async code.
 pub fn current_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     static HOOKS: PyOnceLock<LoopHooks> = PyOnceLock::new();
+    // Imported on first use only: it imports trio.
+    static TRIO_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let hooks = HOOKS.get_or_try_init(py, || -> PyResult<LoopHooks> {
         Ok(LoopHooks {
             running: py.import("asyncio")?.getattr("_get_running_loop")?.unbind(),
@@ -107,16 +110,20 @@ pub fn current_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     })?;
     // trio in guest mode runs inside a host asyncio loop: when sniffio names a library, the
     // asyncio loop of the thread is not necessarily the caller's.
-    if hooks
-        .library
-        .bind(py)
-        .getattr(intern!(py, "name"))?
-        .is_none()
-    {
+    let library = hooks.library.bind(py).getattr(intern!(py, "name"))?;
+    if library.is_none() {
         let running = hooks.running.bind(py).call0()?;
         if !running.is_none() {
             return Ok(running);
         }
+    } else if library.eq(intern!(py, "trio"))? {
+        let trio_loop = TRIO_LOOP.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            Ok(py
+                .import("strata_rs._async._trio")?
+                .getattr("current_loop")?
+                .unbind())
+        })?;
+        return trio_loop.bind(py).call0();
     }
     hooks.pick.bind(py).call0()
 }
