@@ -26,6 +26,13 @@ pytestmark = pytest.mark.anyio
 MakeModel = Callable[..., Path]
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The API's contract holds on both libraries anyio serves (tests/test_backends.py has the
+    streaming side)."""
+    return str(request.param)
+
+
 def test_exception_hierarchy() -> None:
     for cls in (ModelLoadError, InvalidRequest, ContextOverflow, DeviceUnavailable, EngineStopped):
         assert issubclass(cls, StrataError)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 from strata_rs import (
@@ -77,14 +78,19 @@ async def wait_for(
     engine: Engine, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0
 ) -> dict[str, Any]:
     """Polls stats until `pred` holds; the engine publishes them after every step."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    deadline = anyio.current_time() + timeout
     while True:
         s = engine.stats()
         if pred(s):
             return s
-        if asyncio.get_running_loop().time() > deadline:
+        if anyio.current_time() > deadline:
             raise AssertionError(f"stats never matched: {s}")
-        await asyncio.sleep(0.005)
+        await anyio.sleep(0.005)
+
+
+# The tests of the API's own behaviour under load (EngineBusy, close, a cancel scope) run on both
+# backends; the rest compare outputs, which the backend does not touch, on asyncio only.
+BOTH_BACKENDS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
 
 async def test_32_concurrent_streams_equal_their_solo_runs(model_dir: MakeModel) -> None:
@@ -495,6 +501,7 @@ async def test_bad_arguments_raise_and_the_engine_keeps_serving(model_dir: MakeM
         await engine.close()
 
 
+@BOTH_BACKENDS
 async def test_a_full_queue_refuses_with_engine_busy(model_dir: MakeModel) -> None:
     model = model_dir("llama")
     engine = await Engine.load(model, max_batch=1, max_waiting=2)
@@ -517,13 +524,15 @@ async def test_a_full_queue_refuses_with_engine_busy(model_dir: MakeModel) -> No
         await engine.close()
 
 
+@BOTH_BACKENDS
 async def test_close_ends_open_streams_with_engine_stopped(model_dir: MakeModel) -> None:
     model = model_dir("llama")
     engine = await Engine.load(model, max_batch=1)
     running = engine.generate([5, 6, 7], max_tokens=200, temperature=0, ignore_eos=True)
     waiting = engine.generate([5, 6, 8], max_tokens=200, temperature=0, ignore_eos=True)
     await running.__anext__()
-    await asyncio.wait_for(engine.close(), timeout=10)
+    with anyio.fail_after(10):
+        await engine.close()
     for stream in (running, waiting):
         with pytest.raises(EngineStopped):
             async for _ in stream:
@@ -577,9 +586,8 @@ async def test_a_fault_in_the_engine_loop_ends_streams_and_stops_the_engine(
     await engine.close()
 
 
+@BOTH_BACKENDS
 async def test_anyio_cancel_scope_cancels_the_request(model_dir: MakeModel) -> None:
-    import anyio
-
     engine = await Engine.load(model_dir("llama"))
     try:
         got: list[int] = []

@@ -16,9 +16,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
 from strata_rs import Completion, Engine
 from strata_rs.server import Settings, create_app
 from strata_rs.server.serve import bind
@@ -238,6 +241,40 @@ async def test_completions_equal_the_python_api_greedy_output(model_dir: MakeMod
             assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == ids_ref.text
             assert ev[-2]["choices"][0]["finish_reason"] == "length"
             assert all(c["object"] == "text_completion" for c in ev[:-1])
+    finally:
+        await engine.close()
+
+
+async def test_the_app_mounts_in_an_anyio_based_app(model_dir: MakeModel) -> None:
+    """create_app under a prefix of another Starlette app, whose lifespan (an anyio task group)
+    runs the mounted app's: the server stays on uvicorn's asyncio, inside apps built on anyio."""
+    model = model_dir("qwen2")
+    ids = [9 + (i * 31) % 500 for i in range(20)]
+    ref = await reference(model, ids, max_tokens=9, temperature=0, ignore_eos=True)
+    engine = await Engine.load(model)
+    inner = create_app(engine, Settings(served_model_name="tiny"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.sleep_forever)  # the outer app's own background work
+            async with inner.router.lifespan_context(inner):
+                yield
+            tg.cancel_scope.cancel()
+
+    outer = Starlette(routes=[Mount("/llm", app=inner)], lifespan=lifespan)
+    try:
+        async with outer.router.lifespan_context(outer):
+            transport = httpx.ASGITransport(app=outer)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                assert (await client.get("/llm/health")).status_code == 200
+                body = {"prompt": ids, "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+                got = (await client.post("/llm" + COMPLETIONS, json=body)).json()
+                assert got["choices"][0]["text"] == ref.text
+                streamed = await client.post("/llm" + COMPLETIONS, json={**body, "stream": True})
+                ev = events(streamed.text)
+                assert ev[-1] == "[DONE]"
+                assert "".join(c["choices"][0]["text"] for c in ev[:-1]) == ref.text
     finally:
         await engine.close()
 

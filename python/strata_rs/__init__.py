@@ -1,6 +1,7 @@
 """strata-rs: an LLM inference engine with a tiered conversation cache.
 
-The engine is a Rust core (``strata_rs._core``); this package re-exports its types.
+The engine is a Rust core (``strata_rs._core``); this package re-exports its types, and adds
+``LLM``, the synchronous facade (``strata_rs.llm``).
 """
 
 from strata_rs._core import (
@@ -12,6 +13,7 @@ from strata_rs._core import (
     EngineBusy,
     EngineStopped,
     InvalidRequest,
+    LoadingEngine,
     ModelLoadError,
     SamplingParams,
     StrataError,
@@ -25,9 +27,12 @@ from strata_rs._core import (
     quantize,
     validate_messages,
 )
+from strata_rs.llm import LLM, ChunkIterator
 
 __all__ = [
+    "LLM",
     "Choice",
+    "ChunkIterator",
     "Completion",
     "ContextOverflow",
     "DeviceUnavailable",
@@ -35,6 +40,7 @@ __all__ = [
     "EngineBusy",
     "EngineStopped",
     "InvalidRequest",
+    "LoadingEngine",
     "ModelLoadError",
     "SamplingParams",
     "StrataError",

@@ -1,7 +1,8 @@
 """Type stubs for the Rust extension module ``strata_rs._core``."""
 
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Generator, Mapping, Sequence
 from os import PathLike
+from types import TracebackType
 from typing import Any, Literal, TypedDict
 
 import numpy as np
@@ -202,9 +203,10 @@ class TokenStream(AsyncIterator[StreamChunk]):
     """The chunks of one request. Dropping it (break, a cancelled task) cancels the request; the
     engine frees its blocks at its next step. Raises EngineStopped if the engine closes first.
 
-    Read it on a running event loop (asyncio or uvloop, in any thread): each loop's chunks are
-    polled on that loop's own thread when the engine signals it. Concurrent `__anext__` calls
-    get the chunks in call order; a call cancelled while it waits (a timeout) loses nothing."""
+    Read it on a running event loop (asyncio, uvloop or trio, in any thread): each loop's chunks
+    are polled on that loop's own thread when the engine signals it. Concurrent `__anext__` calls
+    get the chunks in call order; a call cancelled while it waits (a timeout, a cancel scope)
+    loses nothing."""
 
     def __aiter__(self) -> TokenStream: ...
     def __anext__(self) -> Awaitable[StreamChunk]: ...
@@ -377,7 +379,25 @@ class EngineStatsDict(TypedDict):
 
 Prompt = str | Sequence[int]
 
+class LoadingEngine:
+    """What Engine.load returns: await it for the engine (`await Engine.load(...)`), or use it
+    as an async context manager (`async with Engine.load(...) as engine:`), which closes the
+    engine when the block ends."""
+
+    def __await__(self) -> Generator[Any, Any, Engine]: ...
+    def __aenter__(self) -> Awaitable[Engine]: ...
+    def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Awaitable[None]: ...
+
 class Engine:
+    """The engine. Its awaitables and streams work under asyncio (and uvloop) and trio, the
+    library running the caller, chosen as anyio does (sniffio); on either, cancelling the
+    awaiting task (a cancel scope, `task.cancel()`) cancels the request."""
+
     @staticmethod
     def load(
         path: str | PathLike[str],
@@ -400,8 +420,9 @@ class Engine:
         vram_reserve_mib: int = 1024,
         kv_dtype: str | None = None,
         quantize: str | None = None,
-    ) -> Awaitable[Engine]:
-        """Loads a Hugging Face model folder. Raises ModelLoadError (naming the file),
+    ) -> LoadingEngine:
+        """Loads a Hugging Face model folder (awaitable: `await Engine.load(...)`, or
+        `async with Engine.load(...) as engine:`). Raises ModelLoadError (naming the file),
         DeviceUnavailable or InvalidRequest (naming the argument; also for sizes that cannot be
         allocated: threads over 1024, a kv_memory_mib or max_context past memory).
 
@@ -476,6 +497,16 @@ class Engine:
         self, prompt: Prompt, params: SamplingParams | None = None, **kwargs: Any
     ) -> Awaitable[Completion]:
         """The whole answer at once."""
+    def chat_complete(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Awaitable[Completion]:
+        """The assistant's whole answer to `messages` at once; arguments and errors as chat()."""
     def stats(self) -> EngineStatsDict:
         """Counters as of the engine's last step (no round trip to the engine thread).
         ``stopped`` is None while the engine loop serves, else why it stopped. ``cache`` is the
@@ -501,7 +532,17 @@ class Engine:
     ) -> Awaitable[BenchResult]:
         """Times cold prefill and single-token decode, and the memory read bandwidth."""
     def close(self) -> Awaitable[None]:
-        """Stops the engine thread; idempotent."""
+        """Stops the engine thread, from the call on; awaiting it waits until the thread has
+        written the disk tier and exited. Idempotent."""
+    def __aenter__(self) -> Awaitable[Engine]:
+        """`async with await Engine.load(...) as engine:` gives the engine."""
+    def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Awaitable[None]:
+        """Closes the engine (as close()), also when the block raised; the exception goes on."""
     @property
     def tokenizer(self) -> Tokenizer: ...
     @property

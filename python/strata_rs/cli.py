@@ -126,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
         help="the --http benchmark's client: raw (a minimal SSE reader; default) or httpx",
     )
     b.add_argument(
+        "--backends",
+        action="store_true",
+        help="also time stream delivery on asyncio, uvloop and trio (8 streams of 256 tokens, "
+        "--rounds rounds): the event loop's CPU time and wall overhead per token",
+    )
+    b.add_argument(
         "--serving",
         action="store_true",
         help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
@@ -497,6 +503,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print()
                 print_serving(result["serving"])
+            if args.backends:
+                from strata_rs.bench.backends import print_backends, run_backends
+
+                result["backends"] = run_backends(str(args.model), args.threads, rounds=args.rounds)
+                print()
+                print_backends(result["backends"])
             if args.http:
                 from strata_rs.bench.http import print_http, run_http
 

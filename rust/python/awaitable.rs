@@ -10,15 +10,19 @@
 //! closes the gate and waits for attaches already in progress. Work that ends later is dropped:
 //! nothing is left to receive it.
 //!
-//! The runtime and the caller's event loop and context still come from pyo3-async-runtimes.
+//! The event loop is whichever async library's is running this thread ([`current_loop`]):
+//! asyncio's (or uvloop's) itself, or trio's through `strata_rs._async._trio`, which offers the
+//! same three methods the bindings call (`create_future`, `call_soon_threadsafe`, `add_reader`).
+//! The tokio runtime still comes from pyo3-async-runtimes.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyCFunction, PyDict};
+use pyo3::types::PyCFunction;
 
 use super::errors::to_pyerr;
 use crate::error::StrataError;
@@ -75,7 +79,68 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// Cancels the Rust task when the awaiting asyncio future is cancelled.
+/// What [`current_loop`] calls.
+struct LoopHooks {
+    /// `asyncio._get_running_loop`: the running asyncio loop or None, without raising.
+    running: Py<PyAny>,
+    /// `sniffio.thread_local`: its `name` is set ("trio") while trio runs this thread.
+    library: Py<PyAny>,
+    /// `strata_rs._async.current_loop`: picks by sniffio, raises when nothing runs.
+    pick: Py<PyAny>,
+}
+
+/// The event loop of the async library running this thread: asyncio's own loop (checked first,
+/// without leaving Rust: the common case stays as cheap as it was), a trio run's `TrioLoop`
+/// when sniffio's thread-local says trio (straight to `_trio.current_loop`: this runs on every
+/// `__anext__`), else what `strata_rs._async.current_loop` finds. Raises RuntimeError outside
+/// async code.
+pub fn current_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static HOOKS: PyOnceLock<LoopHooks> = PyOnceLock::new();
+    // Imported on first use only: it imports trio.
+    static TRIO_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let hooks = HOOKS.get_or_try_init(py, || -> PyResult<LoopHooks> {
+        Ok(LoopHooks {
+            running: py.import("asyncio")?.getattr("_get_running_loop")?.unbind(),
+            library: py.import("sniffio")?.getattr("thread_local")?.unbind(),
+            pick: py
+                .import("strata_rs._async")?
+                .getattr("current_loop")?
+                .unbind(),
+        })
+    })?;
+    // trio in guest mode runs inside a host asyncio loop: when sniffio names a library, the
+    // asyncio loop of the thread is not necessarily the caller's.
+    let library = hooks.library.bind(py).getattr(intern!(py, "name"))?;
+    if library.is_none() {
+        let running = hooks.running.bind(py).call0()?;
+        if !running.is_none() {
+            return Ok(running);
+        }
+    } else if library.eq(intern!(py, "trio"))? {
+        let trio_loop = TRIO_LOOP.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+            Ok(py
+                .import("strata_rs._async._trio")?
+                .getattr("current_loop")?
+                .unbind())
+        })?;
+        return trio_loop.bind(py).call0();
+    }
+    hooks.pick.bind(py).call0()
+}
+
+/// An awaitable of the running loop that is already resolved to `value` (calls with nothing to
+/// wait for that are awaitable all the same).
+pub fn ready_awaitable<'py>(
+    py: Python<'py>,
+    value: Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let future = current_loop(py)?.call_method0(intern!(py, "create_future"))?;
+    future.call_method1(intern!(py, "set_result"), (value,))?;
+    Ok(future)
+}
+
+/// Cancels the Rust task when the awaiting future is cancelled (an asyncio task's cancellation,
+/// a trio cancel scope).
 #[pyclass(frozen)]
 struct AbortOnCancel {
     task: tokio::task::AbortHandle,
@@ -107,10 +172,11 @@ fn settle_fn(py: Python<'_>) -> PyResult<&Py<PyCFunction>> {
     SETTLE.get_or_try_init(py, || Ok(wrap_pyfunction!(settle, py)?.unbind()))
 }
 
-/// An asyncio future resolved by `work`, run on the runtime. Its value is turned into a Python
-/// object by `convert` when it is delivered, attached to Python through the exit gate, on a
-/// blocking thread (the GIL may be contended; runtime workers must not wait for it). Cancelling
-/// the asyncio future drops `work`.
+/// A future of the running loop (asyncio's or trio's) resolved by `work`, run on the runtime.
+/// Its value is turned into a Python object by `convert` when it is delivered, attached to
+/// Python through the exit gate, on a blocking thread (the GIL may be contended; runtime workers
+/// must not wait for it), and handed to the loop's thread with its `call_soon_threadsafe`.
+/// Cancelling the future drops `work`.
 pub fn spawn_awaitable<'py, V, F, C>(
     py: Python<'py>,
     work: F,
@@ -121,9 +187,8 @@ where
     V: Send + 'static,
     C: FnOnce(Python<'_>, V) -> PyResult<Py<PyAny>> + Send + 'static,
 {
-    let locals = pyo3_async_runtimes::tokio::get_current_locals(py)?;
-    let event_loop = locals.event_loop(py);
-    let future = event_loop.call_method0("create_future")?;
+    let event_loop = current_loop(py)?;
+    let future = event_loop.call_method0(intern!(py, "create_future"))?;
     let runtime = pyo3_async_runtimes::tokio::get_runtime();
     let task = runtime.spawn(work);
     future.call_method1(
@@ -132,7 +197,6 @@ where
             task: task.abort_handle(),
         },),
     )?;
-    let context = locals.context(py).unbind();
     let (event_loop, target) = (event_loop.unbind(), future.clone().unbind());
     runtime.spawn(async move {
         let outcome = match task.await {
@@ -147,16 +211,10 @@ where
                     Ok(v) => (true, v),
                     Err(e) => (false, e.into_value(py).into_any()),
                 };
-                let kwargs = PyDict::new(py);
-                let delivered = kwargs.set_item("context", context).and_then(|()| {
-                    event_loop.call_method(
-                        py,
-                        "call_soon_threadsafe",
-                        (settle_fn(py)?, target, ok, value),
-                        Some(&kwargs),
-                    )
+                let delivered = settle_fn(py).and_then(|settle| {
+                    event_loop.call_method1(py, "call_soon_threadsafe", (settle, target, ok, value))
                 });
-                // A closed event loop has no one left waiting for the value.
+                // A closed event loop (a finished trio run) has no one left waiting for it.
                 drop(delivered);
             });
         });

@@ -1,4 +1,5 @@
-//! `LoopDispatcher`: hands stream chunks to an asyncio event loop with one wake-up per loop.
+//! `LoopDispatcher`: hands stream chunks to an event loop (asyncio's, uvloop's or a trio run's)
+//! with one wake-up per loop.
 //!
 //! A stream's next chunk used to travel engine thread → tokio worker (awaiting the channel) →
 //! blocking thread (attaching to Python) → `call_soon_threadsafe` → event loop: three thread
@@ -10,14 +11,21 @@
 //! that tokio's channels ring, as their waker, when the engine sends. When it fires, `drain`
 //! polls every waiting stream and settles their futures, holding the GIL it already has. No Rust
 //! thread ever attaches to Python on this path, so it cannot touch an exiting interpreter.
+//!
+//! Nothing here is asyncio's own: the loop is whatever `awaitable::current_loop` returns, and
+//! only its `create_future` and `add_reader` are called. On trio, `add_reader` starts a system
+//! task that waits for the eventfd (`trio.lowlevel.wait_readable`) and calls `drain`
+//! (`strata_rs._async._trio`): the same single wake-up per ring, on the run's own thread.
 
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use pyo3::exceptions::PyOSError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 
+use super::awaitable::current_loop;
 use super::stream::StreamShared;
 use crate::engine::doorbell::Doorbell;
 use crate::sync::lock;
@@ -55,7 +63,7 @@ impl LoopDispatcher {
         stream: &Arc<StreamShared>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = event_loop.py();
-        let future = event_loop.call_method0("create_future")?;
+        let future = event_loop.call_method0(intern!(py, "create_future"))?;
         // No lock is held while Python runs (building a chunk may run a finalizer that reads
         // another stream). Only this loop's thread touches the list, so nothing slips between.
         // Behind an earlier pending call on the same stream: its turn comes first.
@@ -135,25 +143,13 @@ impl LoopDispatcher {
     }
 }
 
-/// The event loop running in this thread (else pyo3-async-runtimes' choice, as for any other
-/// awaitable) and its dispatcher. `last` remembers the pair, so that a stream's later calls
-/// skip the registry lookup.
+/// The event loop running in this thread and its dispatcher. `last` remembers the pair, so that
+/// a stream's later calls skip the registry lookup.
 pub fn current_dispatcher<'py>(
     py: Python<'py>,
     last: &Mutex<Option<(Py<PyAny>, Py<LoopDispatcher>)>>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, LoopDispatcher>)> {
-    static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    let get = GET_RUNNING_LOOP.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        Ok(py.import("asyncio")?.getattr("_get_running_loop")?.unbind())
-    })?;
-    let running = get.bind(py).call0()?;
-    let event_loop = if running.is_none() {
-        pyo3_async_runtimes::tokio::get_current_locals(py)?
-            .event_loop(py)
-            .clone()
-    } else {
-        running
-    };
+    let event_loop = current_loop(py)?;
     let known = lock(last)
         .as_ref()
         .filter(|(l, _)| l.bind(py).is(&event_loop))

@@ -9,9 +9,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyString, PyTuple};
 
 use super::args::{self, bad, text, type_name, Flag};
-use super::awaitable::spawn_awaitable;
+use super::awaitable::{ready_awaitable, spawn_awaitable};
 use super::errors::to_pyerr;
 use super::json::py_to_json;
+use super::loading::PyLoadingEngine;
 use super::output::completion;
 use super::sampling_params::resolve;
 use super::stream::{collect, PyTokenStream, StreamState};
@@ -290,12 +291,65 @@ impl PyEngine {
             sub.id,
         ))
     }
+
+    /// Queues a request and returns the awaitable of its whole answer.
+    fn completion<'py>(
+        &self,
+        py: Python<'py>,
+        ids: Vec<u32>,
+        params: SamplingParams,
+        field: &str,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (n, want_logprobs) = (params.n, params.logprobs.is_some());
+        let Submission { events, cancel, .. } = self.submit(py, ids, params, field)?;
+        let tok = self.tokenizer_arc();
+        let work = async move {
+            // Dropped with this future (the caller's task cancelled): the request is cancelled.
+            let _cancel_on_drop = CancelOnDrop(cancel);
+            let mut state = StreamState::new(events);
+            collect(&mut state, n).await
+        };
+        spawn_awaitable(py, work, move |py, (choices, usage)| {
+            Ok(Py::new(py, completion(py, &tok, choices, usage, want_logprobs)?)?.into_any())
+        })
+    }
+
+    /// The token ids of `messages` rendered with the chat template; errors name `messages`.
+    fn chat_ids(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        add_generation_prompt: Flag,
+        chat_template_kwargs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<u32>> {
+        let add_generation_prompt = add_generation_prompt.get("add_generation_prompt")?;
+        // Taken as any object so that a wrong type is an InvalidRequest naming the argument.
+        let extra = match chat_template_kwargs.filter(|k| !k.is_none()) {
+            None => None,
+            Some(k) if k.is_instance_of::<PyDict>() => Some(py_to_json(k, "chat_template_kwargs")?),
+            Some(k) => {
+                return Err(bad(
+                    "chat_template_kwargs",
+                    format!("must be a dict or None, got {}", type_name(k)),
+                ))
+            }
+        };
+        let messages = py_to_json(messages, "messages")?;
+        let tok = self.tokenizer_arc();
+        py.detach(|| -> Result<Vec<u32>, StrataError> {
+            validate_messages(&messages)?;
+            let text = tok.apply_chat_template(&messages, add_generation_prompt, extra.as_ref())?;
+            // The template writes the special tokens itself.
+            tok.encode(&text, false)
+        })
+        .map_err(|e| to_pyerr(rename_prompt(e, "messages")))
+    }
 }
 
 #[pymethods]
 impl PyEngine {
-    /// Loads a Hugging Face model folder. Awaitable; raises ModelLoadError, DeviceUnavailable or
-    /// InvalidRequest.
+    /// Loads a Hugging Face model folder. Awaitable (and an async context manager that closes
+    /// the engine); raises ModelLoadError, DeviceUnavailable or InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None))]
@@ -320,7 +374,7 @@ impl PyEngine {
         vram_reserve_mib: i64,
         kv_dtype: Option<&Bound<'py, PyAny>>,
         quantize: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<PyLoadingEngine> {
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
             host_min_free_mib: usize_arg(Some(host_min_free_mib), "host_min_free_mib")?
@@ -354,7 +408,7 @@ impl PyEngine {
                 .await
                 .map_err(join_error)?
         };
-        spawn_awaitable(py, load, |py, engine: Engine| {
+        let future = spawn_awaitable(py, load, |py, engine: Engine| {
             let tokenizer = Py::new(
                 py,
                 PyTokenizer {
@@ -366,7 +420,8 @@ impl PyEngine {
                 tokenizer,
             };
             Ok(Py::new(py, engine)?.into_any())
-        })
+        })?;
+        Ok(PyLoadingEngine::new(future.unbind()))
     }
 
     /// Streams the continuation of `prompt` (a string, encoded with the model's special tokens,
@@ -397,30 +452,24 @@ impl PyEngine {
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PyTokenStream> {
         let params = resolve(params, kwargs, self.vocab_size())?;
-        let add_generation_prompt = add_generation_prompt.get("add_generation_prompt")?;
-        // Taken as any object so that a wrong type is an InvalidRequest naming the argument.
-        let extra = match chat_template_kwargs.filter(|k| !k.is_none()) {
-            None => None,
-            Some(k) if k.is_instance_of::<PyDict>() => Some(py_to_json(k, "chat_template_kwargs")?),
-            Some(k) => {
-                return Err(bad(
-                    "chat_template_kwargs",
-                    format!("must be a dict or None, got {}", type_name(k)),
-                ))
-            }
-        };
-        let messages = py_to_json(messages, "messages")?;
-        let tok = self.tokenizer_arc();
-        let ids = py
-            .detach(|| -> Result<Vec<u32>, StrataError> {
-                validate_messages(&messages)?;
-                let text =
-                    tok.apply_chat_template(&messages, add_generation_prompt, extra.as_ref())?;
-                // The template writes the special tokens itself.
-                tok.encode(&text, false)
-            })
-            .map_err(|e| to_pyerr(rename_prompt(e, "messages")))?;
+        let ids = self.chat_ids(py, messages, add_generation_prompt, chat_template_kwargs)?;
         self.stream(py, ids, params, "messages")
+    }
+
+    /// The whole answer to `messages` at once: an awaitable Completion (`chat`'s arguments).
+    #[pyo3(signature = (messages, params = None, *, add_generation_prompt = Flag::Value(true), chat_template_kwargs = None, **kwargs))]
+    fn chat_complete<'py>(
+        &self,
+        py: Python<'py>,
+        messages: &Bound<'py, PyAny>,
+        params: Option<&Bound<'py, PyAny>>,
+        add_generation_prompt: Flag,
+        chat_template_kwargs: Option<&Bound<'py, PyAny>>,
+        kwargs: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let params = resolve(params, kwargs, self.vocab_size())?;
+        let ids = self.chat_ids(py, messages, add_generation_prompt, chat_template_kwargs)?;
+        self.completion(py, ids, params, "messages")
     }
 
     /// The whole answer to `prompt` at once: an awaitable Completion.
@@ -434,18 +483,7 @@ impl PyEngine {
     ) -> PyResult<Bound<'py, PyAny>> {
         let params = resolve(params, kwargs, self.vocab_size())?;
         let ids = self.prompt_ids(py, prompt)?;
-        let (n, want_logprobs) = (params.n, params.logprobs.is_some());
-        let Submission { events, cancel, .. } = self.submit(py, ids, params, "prompt")?;
-        let tok = self.tokenizer_arc();
-        let work = async move {
-            // Dropped with this future (the caller's task cancelled): the request is cancelled.
-            let _cancel_on_drop = CancelOnDrop(cancel);
-            let mut state = StreamState::new(events);
-            collect(&mut state, n).await
-        };
-        spawn_awaitable(py, work, move |py, (choices, usage)| {
-            Ok(Py::new(py, completion(py, &tok, choices, usage, want_logprobs)?)?.into_any())
-        })
+        self.completion(py, ids, params, "prompt")
     }
 
     /// Counters as of the engine's last step: running, waiting, K/V blocks, prefix hits, tokens,
@@ -545,9 +583,11 @@ impl PyEngine {
 
     /// Stops the engine thread. Awaitable; idempotent.
     fn close<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let engine = self.engine.clone();
+        // Begun now, not when the awaitable runs: an `async with` left by a cancellation awaits
+        // close() in a cancelled scope, which cancels the awaitable at once; the engine must
+        // stop (and write its disk tier) all the same.
+        let thread = lock(&self.engine).begin_close();
         let work = async move {
-            let thread = lock(&engine).begin_close();
             if let Some(t) = thread {
                 tokio::task::spawn_blocking(move || {
                     // A panicked engine thread has nothing left to clean up.
@@ -559,6 +599,22 @@ impl PyEngine {
             Ok(())
         };
         spawn_awaitable(py, work, |py, ()| Ok(py.None()))
+    }
+
+    /// `async with await Engine.load(...) as engine:` gives the engine itself.
+    fn __aenter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        ready_awaitable(slf.py(), slf.clone().into_any())
+    }
+
+    /// Closes the engine (which writes the disk tier) when the block ends, also by an exception,
+    /// which it lets through.
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__<'py>(
+        &self,
+        py: Python<'py>,
+        _exc: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.close(py)
     }
 
     #[getter]

@@ -6,6 +6,7 @@ mod dispatch;
 mod engine;
 mod errors;
 mod json;
+mod loading;
 mod logging;
 mod output;
 mod quant;
@@ -47,6 +48,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     awaitable::register(m)?;
     logging::install();
     m.add_class::<engine::PyEngine>()?;
+    m.add_class::<loading::PyLoadingEngine>()?;
     m.add_class::<tokenizer::PyTokenizer>()?;
     m.add_class::<sampling_params::PySamplingParams>()?;
     m.add_class::<stream::PyTokenStream>()?;

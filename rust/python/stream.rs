@@ -1,8 +1,8 @@
 //! `TokenStream`: the async iterator `Engine.generate` and `Engine.chat` return.
 //!
-//! Each `__anext__` polls the request's channel on the event loop's thread and, when nothing is
-//! there yet, leaves its future with the loop's dispatcher (`dispatch.rs`), which settles it when
-//! the engine sends. A call takes every delta already waiting for the same choice and merges them
+//! Each `__anext__` polls the request's channel on the event loop's thread (asyncio's or trio's)
+//! and, when nothing is there yet, leaves its future with the loop's dispatcher (`dispatch.rs`),
+//! which settles it when the engine sends. A call takes every delta already waiting for the same choice and merges them
 //! into one chunk, so a consumer that falls behind catches up in one step instead of paying the
 //! per-chunk cost for each token. Dropping the stream (breaking out of `async for`, a cancelled
 //! task) cancels the request: the engine frees its blocks at its next step.
@@ -15,7 +15,7 @@ use pyo3::exceptions::PyStopAsyncIteration;
 use pyo3::prelude::*;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::awaitable::spawn_awaitable;
+use super::awaitable::ready_awaitable;
 use super::dispatch::{current_dispatcher, LoopDispatcher};
 use super::errors::to_pyerr;
 use super::output::{chunk, ChoiceAcc};
@@ -217,7 +217,7 @@ impl PyTokenStream {
     /// Same as `cancel()`, awaitable, for `contextlib.aclosing`.
     fn aclose<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.cancel.cancel();
-        spawn_awaitable(py, async { Ok(()) }, |py, ()| Ok(py.None()))
+        ready_awaitable(py, py.None().into_bound(py))
     }
 
     #[getter]

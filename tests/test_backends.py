@@ -1,0 +1,229 @@
+"""The async API on every library anyio serves: asyncio, asyncio with uvloop, and trio.
+
+Each test runs once per backend (the `anyio_backend` fixture below). Outputs are compared token
+for token with the same prompt run alone, so a backend that delivers chunks out of order, loses
+one or duplicates one fails; cancellation is checked in the engine's own counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import sniffio
+from strata_rs import Engine, EngineStopped, LoadingEngine, StrataError
+
+pytestmark = pytest.mark.anyio
+
+MakeModel = Callable[..., Path]
+
+PARAMS: dict[str, Any] = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+
+def long_model(model_dir: MakeModel) -> Path:
+    """The tiny llama with room for long streams (test_cache.py's, made once per session)."""
+    return model_dir("llama", max_position_embeddings=8192)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("asyncio", id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+        pytest.param("trio", id="trio"),
+    ]
+)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+async def solo_ids(model: Path, prompt: list[int], **params: Any) -> list[int]:
+    engine = await Engine.load(model, max_batch=1, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        return (await engine.complete(prompt, **(params or PARAMS))).token_ids
+    finally:
+        await engine.close()
+
+
+async def read_all(stream: Any) -> list[int]:
+    ids: list[int] = []
+    async for chunk in stream:
+        ids += chunk.token_ids
+    return ids
+
+
+async def wait_for_stats(
+    engine: Engine, pred: Callable[[dict[str, Any]], bool], timeout: float = 20.0
+) -> dict[str, Any]:
+    with anyio.fail_after(timeout):
+        while not pred(s := dict(engine.stats())):
+            await anyio.sleep(0.005)
+    return s
+
+
+async def test_every_call_works_on_the_running_library(
+    model_dir: MakeModel, anyio_backend: Any
+) -> None:
+    model = long_model(model_dir)
+    expected = await solo_ids(model, [5, 6, 7, 8])
+    engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        library = "trio" if anyio_backend == "trio" else "asyncio"
+        assert sniffio.current_async_library() == library
+        assert await read_all(engine.generate([5, 6, 7, 8], **PARAMS)) == expected
+        assert (await engine.complete([5, 6, 7, 8], **PARAMS)).token_ids == expected
+        messages = [{"role": "user", "content": "hello there"}]
+        chat = await engine.chat_complete(messages, **PARAMS)
+        assert len(chat.token_ids) == 40
+        assert await read_all(engine.chat(messages, **PARAMS)) == chat.token_ids
+        logits = await engine.logits([5, 6, 7])
+        assert logits.shape == (3, engine.info["vocab_size"])
+        stream = engine.generate([5, 6, 7, 8], max_tokens=2000, temperature=0, ignore_eos=True)
+        first = await stream.__anext__()
+        await stream.aclose()
+        chunks = [c async for c in stream]
+        assert chunks[-1].finish_reason == "cancelled"
+        ids = first.token_ids + [t for c in chunks for t in c.token_ids]
+        assert ids[:40] == expected[: len(ids)] and len(ids) < 2000
+    finally:
+        await engine.close()
+    assert engine.closed
+
+
+async def test_a_cancel_scope_cancels_a_stream_mid_way(model_dir: MakeModel) -> None:
+    engine = await Engine.load(long_model(model_dir), host_cache_mib=0, disk_cache_mib=0)
+    try:
+        got: list[int] = []
+        with anyio.CancelScope() as scope:
+            async for chunk in engine.generate([5, 6, 7], max_tokens=2000, ignore_eos=True):
+                got += chunk.token_ids
+                if len(got) >= 5:
+                    scope.cancel()
+        assert scope.cancelled_caught
+        s = await wait_for_stats(engine, lambda s: s["requests_cancelled"] == 1)
+        assert s["running"] == 0 and s["kv_blocks_used"] == 0
+        assert 5 <= len(got) < 2000
+    finally:
+        await engine.close()
+
+
+async def test_a_cancel_scope_cancels_a_complete(model_dir: MakeModel) -> None:
+    engine = await Engine.load(long_model(model_dir), host_cache_mib=0, disk_cache_mib=0)
+    try:
+        with anyio.move_on_after(0.05) as scope:
+            await engine.complete([5, 6, 7], max_tokens=2000, ignore_eos=True)
+        assert scope.cancelled_caught
+        s = await wait_for_stats(engine, lambda s: s["requests_cancelled"] == 1)
+        assert s["running"] == 0 and s["kv_blocks_used"] == 0
+        assert s["requests_finished"] == 0
+    finally:
+        await engine.close()
+
+
+async def test_anext_calls_that_time_out_lose_no_token(model_dir: MakeModel) -> None:
+    model = long_model(model_dir)
+    prompt = [9, 10, 11]
+    expected = await solo_ids(model, prompt)
+    engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        stream = engine.generate(prompt, **PARAMS)
+        ids: list[int] = []
+        timeouts = 0
+        while True:
+            with anyio.move_on_after(0) as scope:
+                try:
+                    chunk = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                ids += chunk.token_ids
+            # Cancelled while waiting: the chunk stays queued for the next call.
+            timeouts += scope.cancelled_caught
+        assert timeouts > 0, "no call timed out: the test did not test cancellation"
+        assert ids == expected
+    finally:
+        await engine.close()
+
+
+async def test_concurrent_streams_from_several_tasks(model_dir: MakeModel) -> None:
+    model = long_model(model_dir)
+    prompts = [[20 + i, 30 + i, 40 + i] for i in range(8)]
+    expected = [await solo_ids(model, p) for p in prompts]
+    engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+    results: dict[int, list[int]] = {}
+
+    async def read(i: int) -> None:
+        results[i] = await read_all(engine.generate(prompts[i], **PARAMS))
+
+    try:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(read, i)
+        assert [results[i] for i in range(8)] == expected
+    finally:
+        await engine.close()
+
+
+async def test_closing_with_streams_in_flight_ends_them(model_dir: MakeModel) -> None:
+    engine = await Engine.load(long_model(model_dir), max_batch=2)
+    errors: list[BaseException] = []
+    started = anyio.Event()
+
+    async def read(prompt: list[int]) -> None:
+        try:
+            async for _ in engine.generate(prompt, max_tokens=2000, ignore_eos=True):
+                started.set()
+        except StrataError as e:
+            errors.append(e)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            for i in range(4):  # two running, two waiting
+                tg.start_soon(read, [5, 6, 7 + i])
+            await started.wait()
+            await engine.close()
+    assert len(errors) == 4
+    assert all(isinstance(e, EngineStopped) for e in errors), errors
+    assert engine.stats()["stopped"] == "the engine was closed"
+
+
+async def test_async_with_closes_and_writes_the_disk_tier(
+    model_dir: MakeModel, tmp_path: Path
+) -> None:
+    model = long_model(model_dir)
+    prompt = list(range(3, 203))
+    # One 200-token prompt and 40 answer tokens, of which the last is not fed: 14 full blocks.
+    blocks = (200 + 40 - 1) // 16
+
+    disk = tmp_path / "plain"
+    loading = Engine.load(model, host_cache_mib=0, disk_cache_dir=disk)
+    assert isinstance(loading, LoadingEngine)
+    async with await loading as engine:
+        assert len((await engine.complete(prompt, **PARAMS)).token_ids) == 40
+    assert engine.closed
+    assert len(list(disk.glob("*.kvb"))) == blocks
+
+    # Without the second await, and left by an exception.
+    disk = tmp_path / "raised"
+    with pytest.raises(ValueError, match=r"^in the block$"):
+        async with Engine.load(model, host_cache_mib=0, disk_cache_dir=disk) as engine:
+            assert len((await engine.complete(prompt, **PARAMS)).token_ids) == 40
+            raise ValueError("in the block")
+    assert engine.closed
+    assert len(list(disk.glob("*.kvb"))) == blocks
+
+    # The next load adopts those files and hits them.
+    async with Engine.load(model, host_cache_mib=0, disk_cache_dir=disk) as engine:
+        assert engine.stats()["cache"]["adopted_files"] == blocks
+        again = await engine.complete(prompt, **PARAMS)
+        assert again.usage.cached_tokens == 192
+
+
+def test_outside_async_code_is_a_runtime_error(model_dir: MakeModel) -> None:
+    with pytest.raises(RuntimeError) as e:
+        Engine.load(long_model(model_dir))
+    assert str(e.value) == (
+        "no running event loop: strata_rs awaitables need asyncio (or uvloop) or trio"
+    )
