@@ -15,12 +15,11 @@ import anyio
 import pytest
 import sniffio
 from strata_rs import Engine, EngineStopped, LoadingEngine, StrataError
+from streams import PARAMS, read_all, solo_ids
 
 pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
-
-PARAMS: dict[str, Any] = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 
 
 def long_model(model_dir: MakeModel) -> Path:
@@ -37,21 +36,6 @@ def long_model(model_dir: MakeModel) -> Path:
 )
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     return request.param
-
-
-async def solo_ids(model: Path, prompt: list[int], **params: Any) -> list[int]:
-    engine = await Engine.load(model, max_batch=1, host_cache_mib=0, disk_cache_mib=0)
-    try:
-        return (await engine.complete(prompt, **(params or PARAMS))).token_ids
-    finally:
-        await engine.close()
-
-
-async def read_all(stream: Any) -> list[int]:
-    ids: list[int] = []
-    async for chunk in stream:
-        ids += chunk.token_ids
-    return ids
 
 
 async def wait_for_stats(

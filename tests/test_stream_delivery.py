@@ -15,27 +15,11 @@ from typing import Any
 import pytest
 import uvloop
 from strata_rs import Engine
+from streams import PARAMS, read_all, solo_ids
 
 pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
-
-PARAMS: dict[str, Any] = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
-
-
-async def solo_ids(model: Path, prompt: list[int]) -> list[int]:
-    engine = await Engine.load(model, max_batch=1, host_cache_mib=0, disk_cache_mib=0)
-    try:
-        return (await engine.complete(prompt, **PARAMS)).token_ids
-    finally:
-        await engine.close()
-
-
-async def read_all(stream: Any) -> list[int]:
-    ids: list[int] = []
-    async for chunk in stream:
-        ids += chunk.token_ids
-    return ids
 
 
 async def test_concurrent_anext_calls_get_the_chunks_in_order(model_dir: MakeModel) -> None:

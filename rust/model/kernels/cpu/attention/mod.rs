@@ -1444,17 +1444,8 @@ fn tile_step<const N: usize>(
         }
         let tile_max = tree16(s, |x, y| if y > x { y } else { x });
         let (mx, sum) = (&mut st.mx[h0 + h], &mut st.sum[h0 + h]);
-        let new_max = mx.max(tile_max);
-        // First tile: nothing accumulated yet, so no rescale (avoids exp(-inf - -inf)). An
-        // unchanged max rescales by fast_exp(0) = 1 exactly, so that exp is skipped.
-        let corr = if *mx == f32::NEG_INFINITY {
-            0.0
-        } else if *mx == new_max {
-            1.0
-        } else {
-            fast_exp(*mx - new_max)
-        };
-        *mx = new_max;
+        let corr = raise_max(mx, tile_max);
+        let new_max = *mx;
         // Exponentials of every lane (a plain loop vectorises), then the invisible ones zeroed.
         for x in s.iter_mut() {
             *x = fast_exp(*x - new_max);
@@ -1506,6 +1497,24 @@ fn tile_step<const N: usize>(
         d0 += w;
     }
     N
+}
+
+/// The online softmax's step to a tile's scores: `mx` becomes the larger of itself and
+/// `tile_max`, and the factor that rescales the sum and accumulators so far is returned. First
+/// tile: nothing accumulated yet, so 0 (avoids exp(-inf - -inf)); an unchanged max rescales by
+/// fast_exp(0) = 1 exactly, so that exp is skipped.
+#[inline(always)]
+fn raise_max(mx: &mut f32, tile_max: f32) -> f32 {
+    let new_max = mx.max(tile_max);
+    let corr = if *mx == f32::NEG_INFINITY {
+        0.0
+    } else if *mx == new_max {
+        1.0
+    } else {
+        fast_exp(*mx - new_max)
+    };
+    *mx = new_max;
+    corr
 }
 
 /// The scalar side of one vector of query lanes in a key tile, shared by the lanes paths

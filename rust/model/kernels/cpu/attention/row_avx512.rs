@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{mask16, ElemKind, KvElem, State, LANES, V_CHUNK};
+use super::{mask16, raise_max, ElemKind, KvElem, State, LANES, V_CHUNK};
 use crate::model::kernels::cpu::swiglu::fast_exp_avx512;
 
 /// 16 elements at `src` as f32 (exact).
@@ -142,16 +142,8 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
         let s = _mm512_mask_blend_ps(valid, neg_inf, x);
         let tile_max = tree16_max(s);
         let (mx, sum) = (&mut st.mx[h0 + h], &mut st.sum[h0 + h]);
-        let new_max = mx.max(tile_max);
-        corr[h] = if *mx == f32::NEG_INFINITY {
-            0.0
-        } else if *mx == new_max {
-            1.0
-        } else {
-            super::fast_exp(*mx - new_max)
-        };
-        *mx = new_max;
-        let e = fast_exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(new_max)));
+        corr[h] = raise_max(mx, tile_max);
+        let e = fast_exp_avx512(_mm512_sub_ps(s, _mm512_set1_ps(*mx)));
         let ph = _mm512_maskz_mov_ps(valid, e);
         _mm512_storeu_ps(p[h].as_mut_ptr(), ph);
         *sum = *sum * corr[h] + tree16_sum(ph);
