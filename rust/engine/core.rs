@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::doorbell::deferring_rings;
 use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
 use super::runner::ModelRunner;
 use super::sampler::Sampler;
@@ -477,8 +478,12 @@ fn splitmix(mut z: u64) -> u64 {
 
 /// Sends queued events in order. A closed stream is noticed at the next step's cancellation
 /// sweep, so a failed send needs nothing here.
+/// Sends the queued events; the event loops they wake are rung once each after the last send
+/// (`doorbell::deferring_rings`), so that a loop's one wake-up finds the whole step's deltas.
 fn send_all(queue: &mut Vec<Addressed>) {
-    for (to, event) in queue.drain(..) {
-        let _ = to.send(event);
-    }
+    deferring_rings(|| {
+        for (to, event) in queue.drain(..) {
+            let _ = to.send(event);
+        }
+    });
 }

@@ -8,13 +8,82 @@
 //! Why an eventfd and not a socket pair or a pipe: those wake their reader "synchronously", a
 //! hint that makes Linux run the woken event loop on the engine thread's core, pre-empting the
 //! engine (measured: 25 µs per step with a core free). An eventfd wakes it like any other thread.
+//!
+//! A thread that sends a batch of events (a step's deltas, `engine::core::send_all`) wraps the
+//! sends in [`deferring_rings`]: the wake-ups those sends cause ring once each at the end of the
+//! batch instead of at the first send. Without it the first send wakes the loop, which drains
+//! while the others are still being sent and is woken again for them (measured: 3.4 chunks per
+//! wake-up with 8 streams instead of 8), and every wake-up costs the loop's thread its own
+//! machinery (on trio a task switch and an `epoll_ctl` besides the `epoll_wait`).
 
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 use std::task::Wake;
+
+thread_local! {
+    /// The doorbells woken on this thread inside [`deferring_rings`], rung when it ends; `None`
+    /// outside it.
+    static DEFERRED: RefCell<Option<Vec<Arc<Doorbell>>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f`, holding back the rings of every doorbell woken (as a waker) on this thread until
+/// it returns, then ringing each once. Also rings them when `f` panics. Nested calls join the
+/// outer one.
+pub fn deferring_rings<R>(f: impl FnOnce() -> R) -> R {
+    struct RingOnExit;
+    impl Drop for RingOnExit {
+        fn drop(&mut self) {
+            let held = DEFERRED
+                .try_with(|d| d.try_borrow_mut().ok().and_then(|mut d| d.take()))
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            for doorbell in held {
+                doorbell.ring();
+            }
+        }
+    }
+    let outer = DEFERRED.with(|d| {
+        let mut d = d.borrow_mut();
+        let outer = d.is_some();
+        if !outer {
+            *d = Some(Vec::new());
+        }
+        outer
+    });
+    if outer {
+        return f();
+    }
+    let _ring = RingOnExit;
+    f()
+}
+
+/// Rings `doorbell` now, or at the end of the [`deferring_rings`] this thread is in.
+fn ring_or_defer(doorbell: &Arc<Doorbell>) {
+    // `try_with`: a waker may run while this thread's locals are torn down (a channel dropped
+    // at thread exit); it then rings at once.
+    let deferred = DEFERRED.try_with(|d| match d.try_borrow_mut() {
+        Ok(mut d) => match d.as_mut() {
+            Some(held) => {
+                if !held.iter().any(|h| Arc::ptr_eq(h, doorbell)) {
+                    held.push(doorbell.clone());
+                }
+                true
+            }
+            None => false,
+        },
+        // Woken from inside the list's own handling (cannot happen: ringing wakes no waker);
+        // ringing at once is always correct.
+        Err(_) => false,
+    });
+    if !matches!(deferred, Ok(true)) {
+        doorbell.ring();
+    }
+}
 
 pub struct Doorbell {
     eventfd: File,
@@ -85,11 +154,11 @@ impl Doorbell {
 
 impl Wake for Doorbell {
     fn wake(self: Arc<Self>) {
-        self.ring();
+        ring_or_defer(&self);
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.ring();
+        ring_or_defer(self);
     }
 }
 
@@ -130,5 +199,37 @@ mod tests {
         d.reset();
         waker.wake();
         assert!(d.readable());
+    }
+
+    #[test]
+    fn deferred_rings_ring_once_at_the_end() {
+        let (a, b) = (Arc::new(Doorbell::new().unwrap()), Arc::new(Doorbell::new().unwrap()));
+        let (wa, wb) = (std::task::Waker::from(a.clone()), std::task::Waker::from(b.clone()));
+        deferring_rings(|| {
+            wa.wake_by_ref();
+            wb.wake_by_ref();
+            deferring_rings(|| wa.wake_by_ref());
+            assert!(!a.readable() && !b.readable(), "rang inside the batch");
+        });
+        assert!(a.readable() && b.readable());
+        a.reset();
+        b.reset();
+        // Outside a batch, a wake rings at once.
+        wa.wake_by_ref();
+        assert!(a.readable());
+    }
+
+    #[test]
+    fn deferred_rings_ring_when_the_batch_panics() {
+        let d = Arc::new(Doorbell::new().unwrap());
+        let waker = std::task::Waker::from(d.clone());
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            deferring_rings(|| {
+                waker.wake_by_ref();
+                panic!("a send panicked");
+            })
+        }));
+        assert!(caught.is_err());
+        assert!(d.readable(), "the held ring was lost");
     }
 }
