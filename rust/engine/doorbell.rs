@@ -16,10 +16,10 @@
 //! wake-up with 8 streams instead of 8), and every wake-up costs the loop's thread its own
 //! machinery (on trio a task switch and an `epoll_ctl` besides the `epoll_wait`).
 
+use std::cell::RefCell;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 use std::task::Wake;
@@ -203,8 +203,14 @@ mod tests {
 
     #[test]
     fn deferred_rings_ring_once_at_the_end() {
-        let (a, b) = (Arc::new(Doorbell::new().unwrap()), Arc::new(Doorbell::new().unwrap()));
-        let (wa, wb) = (std::task::Waker::from(a.clone()), std::task::Waker::from(b.clone()));
+        let (a, b) = (
+            Arc::new(Doorbell::new().unwrap()),
+            Arc::new(Doorbell::new().unwrap()),
+        );
+        let (wa, wb) = (
+            std::task::Waker::from(a.clone()),
+            std::task::Waker::from(b.clone()),
+        );
         deferring_rings(|| {
             wa.wake_by_ref();
             wb.wake_by_ref();

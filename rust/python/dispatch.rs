@@ -16,11 +16,20 @@
 //! only its `create_future` and `add_reader` are called. On trio, `add_reader` starts a system
 //! task that waits for the eventfd (`trio.lowlevel.wait_readable`) and calls `drain`
 //! (`strata_rs._async._trio`): the same single wake-up per ring, on the run's own thread.
+//!
+//! On trio a chunk has no future: `__anext__` returns a [`TrioNext`], an awaitable that parks
+//! the awaiting task the way `trio.lowlevel.wait_task_rescheduled` does (it yields trio's own
+//! `WaitTaskRescheduled` message, with itself as the abort function), and `drain` hands it the
+//! chunk and calls the run's `reschedule` for its task. Per chunk that skips a Python future and
+//! its `done`/`set_result` frames, an `outcome.Value`, and trio's `wait_task_rescheduled`
+//! coroutine and unwrapping. The trio objects it needs come from `TrioLoop.stream_hooks()`;
+//! when that gives None (a trio whose internals moved), streams use `create_future` as asyncio
+//! does.
 
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
-use pyo3::exceptions::PyOSError;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyStopIteration};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -30,10 +39,56 @@ use super::stream::StreamShared;
 use crate::engine::doorbell::Doorbell;
 use crate::sync::lock;
 
-/// An `__anext__` whose future is not settled yet.
+/// What an `__anext__` that is not settled yet waits in.
+enum Target {
+    /// A future of the loop's `create_future` (asyncio's).
+    Future(Py<PyAny>),
+    /// On trio.
+    Trio(Py<TrioNext>),
+}
+
+/// An `__anext__` that is not settled yet.
 struct Waiting {
     stream: Arc<StreamShared>,
-    future: Py<PyAny>,
+    target: Target,
+}
+
+/// The trio objects [`TrioNext`] uses, from `TrioLoop.stream_hooks()` (see its docstring).
+struct TrioHooks {
+    /// trio's run context (a thread-local): its `task` is the task running now.
+    run_context: Py<PyAny>,
+    /// The run's `reschedule(task, next_send)`.
+    reschedule: Py<PyAny>,
+    /// `WaitTaskRescheduled`: what a task yields to trio to be parked until rescheduled.
+    park: Py<PyAny>,
+    /// `Abort.SUCCEEDED` and `Abort.FAILED`.
+    abort_succeeded: Py<PyAny>,
+    abort_failed: Py<PyAny>,
+    /// Sent to a task rescheduled with its chunk, which the awaitable holds (never unwrapped).
+    resume: Py<PyAny>,
+}
+
+impl TrioHooks {
+    fn from_loop(event_loop: &Bound<'_, PyAny>) -> PyResult<Option<TrioHooks>> {
+        let py = event_loop.py();
+        if !event_loop.hasattr(intern!(py, "stream_hooks"))? {
+            return Ok(None);
+        }
+        let hooks = event_loop.call_method0(intern!(py, "stream_hooks"))?;
+        if hooks.is_none() {
+            return Ok(None);
+        }
+        let (run_context, reschedule, park, abort_succeeded, abort_failed, resume) =
+            hooks.extract()?;
+        Ok(Some(TrioHooks {
+            run_context,
+            reschedule,
+            park,
+            abort_succeeded,
+            abort_failed,
+            resume,
+        }))
+    }
 }
 
 #[pyclass(frozen)]
@@ -43,45 +98,226 @@ pub struct LoopDispatcher {
     waker: Waker,
     /// In `__anext__` order, so that two pending calls on one stream get its chunks in order.
     waiting: Mutex<Vec<Waiting>>,
+    /// Set for a trio run: its streams' calls return [`TrioNext`]s.
+    trio: Option<Arc<TrioHooks>>,
 }
 
 impl LoopDispatcher {
-    fn new() -> std::io::Result<Self> {
+    fn new(trio: Option<TrioHooks>) -> std::io::Result<Self> {
         let doorbell = Arc::new(Doorbell::new()?);
         Ok(LoopDispatcher {
             waker: Waker::from(doorbell.clone()),
             doorbell,
             waiting: Mutex::new(Vec::new()),
+            trio: trio.map(Arc::new),
         })
     }
 
-    /// The future of the stream's next chunk: settled at once when the chunk is there, else when
-    /// the engine sends it.
+    /// The awaitable of the stream's next chunk (a future of the loop, or on trio a
+    /// [`TrioNext`]): settled at once when the chunk is there, else when the engine sends it.
     pub fn next_chunk<'py>(
         &self,
         event_loop: &Bound<'py, PyAny>,
         stream: &Arc<StreamShared>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = event_loop.py();
-        let future = event_loop.call_method0(intern!(py, "create_future"))?;
+        let trio = self.trio.as_ref();
+        let future = match trio {
+            Some(_) => None,
+            None => Some(event_loop.call_method0(intern!(py, "create_future"))?),
+        };
         // No lock is held while Python runs (building a chunk may run a finalizer that reads
         // another stream). Only this loop's thread touches the list, so nothing slips between.
         // Behind an earlier pending call on the same stream: its turn comes first.
         let queued = lock(&self.waiting)
             .iter()
             .any(|w| Arc::ptr_eq(&w.stream, stream));
+        let mut ready = None;
         if !queued {
             let mut cx = Context::from_waker(&self.waker);
             if let Poll::Ready(outcome) = stream.poll_chunk(py, &mut cx) {
-                settle(&future, outcome)?;
-                return Ok(future);
+                ready = Some(outcome);
             }
         }
-        lock(&self.waiting).push(Waiting {
-            stream: stream.clone(),
-            future: future.clone().unbind(),
-        });
-        Ok(future)
+        let target = match (future, trio) {
+            (Some(future), _) => {
+                if let Some(outcome) = ready {
+                    settle(&future, outcome)?;
+                    return Ok(future);
+                }
+                lock(&self.waiting).push(Waiting {
+                    stream: stream.clone(),
+                    target: Target::Future(future.clone().unbind()),
+                });
+                return Ok(future);
+            }
+            (None, Some(hooks)) => hooks,
+            (None, None) => return Err(PyRuntimeError::new_err("no loop to wait on")),
+        };
+        let state = match ready {
+            Some(outcome) => NextState::Ready(outcome),
+            None => NextState::Pending(None),
+        };
+        let pending = matches!(state, NextState::Pending(_));
+        let next = Bound::new(
+            py,
+            TrioNext {
+                state: Mutex::new(state),
+                hooks: target.clone(),
+            },
+        )?;
+        if pending {
+            lock(&self.waiting).push(Waiting {
+                stream: stream.clone(),
+                target: Target::Trio(next.clone().unbind()),
+            });
+        }
+        Ok(next.into_any())
+    }
+}
+
+/// Where a [`TrioNext`] is.
+enum NextState {
+    /// Its chunk has not come; the task parked in it once it is awaited.
+    Pending(Option<Py<PyAny>>),
+    /// The chunk (or the stream's exception, `StopAsyncIteration` at the end), not handed out.
+    Ready(PyResult<Py<PyAny>>),
+    /// Its task was cancelled while it waited (a cancel scope), or it was closed: the chunk
+    /// stays in the stream for the next call.
+    Cancelled,
+    /// Handed out.
+    Spent,
+}
+
+/// The awaitable of a stream's next chunk on trio: awaited, it parks its task in trio's
+/// scheduler as `trio.lowlevel.wait_task_rescheduled` would, and the dispatcher's `drain`
+/// reschedules the task when the chunk comes. Its own `__await__` iterator, one await only.
+#[pyclass(frozen, module = "strata_rs")]
+pub struct TrioNext {
+    state: Mutex<NextState>,
+    hooks: Arc<TrioHooks>,
+}
+
+impl TrioNext {
+    /// The value of the `await` (as `StopIteration`) or its exception, once.
+    fn hand_out(&self) -> PyErr {
+        let state = std::mem::replace(&mut *lock(&self.state), NextState::Spent);
+        match state {
+            NextState::Ready(Ok(chunk)) => PyStopIteration::new_err((chunk,)),
+            NextState::Ready(Err(e)) => e,
+            other => {
+                // Not reached (callers check); put back what was there.
+                *lock(&self.state) = other;
+                PyRuntimeError::new_err("the strata_rs chunk is not ready")
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl TrioNext {
+    fn __await__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        Self::send(slf, &slf.py().None().into_bound(slf.py()))
+    }
+
+    /// Started (`value` None): the chunk at once when it is there, else parks the task (yields
+    /// trio's message). Resumed by trio: the chunk `drain` left, or the outcome trio sent
+    /// (a cancellation's `Cancelled`).
+    fn send(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let parked = {
+            let mut state = lock(&this.state);
+            match &mut *state {
+                NextState::Ready(_) => None,
+                NextState::Pending(task @ None) => {
+                    let current = this
+                        .hooks
+                        .run_context
+                        .bind(py)
+                        .getattr(intern!(py, "task"))
+                        .map_err(|_| {
+                            PyRuntimeError::new_err(
+                                "a strata_rs stream awaited outside a trio task",
+                            )
+                        })?;
+                    *task = Some(current.unbind());
+                    Some(())
+                }
+                NextState::Pending(Some(_)) if value.is_none() => {
+                    return Err(PyRuntimeError::new_err(
+                        "another task is already awaiting this strata_rs awaitable",
+                    ))
+                }
+                NextState::Pending(Some(_)) | NextState::Cancelled => {
+                    drop(state);
+                    // Rescheduled by trio itself: with the outcome of a cancellation.
+                    value.call_method0(intern!(py, "unwrap"))?;
+                    return Err(PyRuntimeError::new_err(
+                        "a strata_rs stream's task was resumed without its chunk",
+                    ));
+                }
+                NextState::Spent => {
+                    return Err(PyRuntimeError::new_err(
+                        "cannot reuse an already awaited strata_rs chunk awaitable",
+                    ))
+                }
+            }
+        };
+        match parked {
+            Some(()) => Ok(this.hooks.park.bind(py).call1((slf,))?.unbind()),
+            None => Err(this.hand_out()),
+        }
+    }
+
+    /// An exception thrown into the await (the awaiting coroutine's `throw`): the call gives up
+    /// its place, and the exception goes on.
+    #[pyo3(signature = (typ, val=None, _tb=None))]
+    fn throw(
+        &self,
+        typ: &Bound<'_, PyAny>,
+        val: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        self.give_up();
+        Err(match val.filter(|v| !v.is_none()) {
+            Some(v) => PyErr::from_value(v.clone()),
+            None => PyErr::from_value(typ.clone()),
+        })
+    }
+
+    fn close(&self) {
+        self.give_up();
+    }
+
+    /// trio's abort function, while its task is parked here: a cancellation. The chunk stays in
+    /// the stream; trio resumes the task with `Cancelled` (see `send`).
+    fn __call__(&self, py: Python<'_>, _raise_cancel: &Bound<'_, PyAny>) -> Py<PyAny> {
+        let mut state = lock(&self.state);
+        if matches!(*state, NextState::Pending(_)) {
+            *state = NextState::Cancelled;
+            self.hooks.abort_succeeded.clone_ref(py)
+        } else {
+            // Not reached: drain reschedules the task, which ends its abortable wait.
+            self.hooks.abort_failed.clone_ref(py)
+        }
+    }
+}
+
+impl TrioNext {
+    fn give_up(&self) {
+        let mut state = lock(&self.state);
+        if matches!(*state, NextState::Pending(_)) {
+            *state = NextState::Cancelled;
+        }
     }
 }
 
@@ -91,6 +327,28 @@ fn settle(future: &Bound<'_, PyAny>, outcome: PyResult<Py<PyAny>>) -> PyResult<(
         Ok(v) => future.call_method1("set_result", (v,))?,
         Err(e) => future.call_method1("set_exception", (e.into_value(future.py()),))?,
     };
+    Ok(())
+}
+
+/// Leaves the chunk in `next` and reschedules its parked task, if it has one yet.
+fn resume(py: Python<'_>, next: &TrioNext, outcome: PyResult<Py<PyAny>>) -> PyResult<()> {
+    let task = {
+        let mut state = lock(&next.state);
+        match std::mem::replace(&mut *state, NextState::Ready(outcome)) {
+            NextState::Pending(task) => task,
+            // Not reached: drain only resumes pending ones.
+            other => {
+                *state = other;
+                None
+            }
+        }
+    };
+    if let Some(task) = task {
+        next.hooks
+            .reschedule
+            .bind(py)
+            .call1((task, next.hooks.resume.bind(py)))?;
+    }
     Ok(())
 }
 
@@ -107,9 +365,17 @@ impl LoopDispatcher {
         // logged by the loop) after every entry was seen.
         let mut first_error = None;
         for w in waiting {
-            let future = w.future.bind(py);
             // Cancelled by its caller (a timeout, a cancelled task): the chunk stays queued.
-            match future.call_method0("done").and_then(|d| d.is_truthy()) {
+            let done = match &w.target {
+                Target::Future(future) => future
+                    .bind(py)
+                    .call_method0(intern!(py, "done"))
+                    .and_then(|d| d.is_truthy()),
+                Target::Trio(next) => {
+                    Ok(!matches!(*lock(&next.get().state), NextState::Pending(_)))
+                }
+            };
+            match done {
                 Ok(true) => continue,
                 Ok(false) => {}
                 Err(e) => {
@@ -125,7 +391,11 @@ impl LoopDispatcher {
             }
             match w.stream.poll_chunk(py, &mut cx) {
                 Poll::Ready(outcome) => {
-                    if let Err(e) = settle(future, outcome) {
+                    let settled = match &w.target {
+                        Target::Future(future) => settle(future.bind(py), outcome),
+                        Target::Trio(next) => resume(py, next.get(), outcome),
+                    };
+                    if let Err(e) = settled {
                         first_error.get_or_insert(e);
                     }
                 }
@@ -182,7 +452,8 @@ pub fn dispatcher_for<'py>(event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py
     {
         return Ok(found);
     }
-    let dispatcher = LoopDispatcher::new()
+    let trio = TrioHooks::from_loop(event_loop)?;
+    let dispatcher = LoopDispatcher::new(trio)
         .map_err(|e| PyOSError::new_err(format!("cannot create a stream wake-up eventfd: {e}")))?;
     let fd = dispatcher.doorbell.fd();
     let dispatcher = Bound::new(py, dispatcher)?;

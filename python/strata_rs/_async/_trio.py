@@ -4,6 +4,9 @@
 `call_soon_threadsafe` (through the run's `TrioToken.run_sync_soon`) and `add_reader` (a system
 task that waits for the fd to be readable, then runs the callback: the stream dispatcher's
 `drain`). One loop per `trio.run`, kept in a RunVar, so that it and its dispatcher go with the run.
+
+Stream chunks skip the future: `stream_hooks` gives the extension what it needs to park a task
+in trio's scheduler and reschedule it itself (`TrioNext` in rust/python/dispatch.rs).
 """
 
 from __future__ import annotations
@@ -150,6 +153,29 @@ class TrioLoop:
         """Runs `callback(*args)` on the run's thread; raises trio.RunFinishedError once the run
         is over (the extension then drops the value: nobody waits for it)."""
         self._token.run_sync_soon(_guarded, callback, args)
+
+    def stream_hooks(self) -> tuple[Any, ...] | None:
+        """For the extension's stream chunks (`TrioNext`, rust/python/dispatch.rs): trio's run
+        context (its `task` is the running task), this run's `reschedule`, the message a task
+        yields to be parked (`WaitTaskRescheduled`, what `wait_task_rescheduled` yields),
+        `Abort.SUCCEEDED`, `Abort.FAILED` and the value a rescheduled task is sent. Those are
+        trio's internals, stable for years but not public: None when they are not there, and
+        streams then use `create_future` like every other awaitable."""
+        try:
+            from trio._core._run import GLOBAL_RUN_CONTEXT
+            from trio._core._traps import WaitTaskRescheduled
+
+            reschedule = GLOBAL_RUN_CONTEXT.runner.reschedule
+        except (ImportError, AttributeError):
+            return None
+        return (
+            GLOBAL_RUN_CONTEXT,
+            reschedule,
+            WaitTaskRescheduled,
+            Abort.SUCCEEDED,
+            Abort.FAILED,
+            Value(None),
+        )
 
     def add_reader(self, fd: int, callback: Callable[[], object]) -> None:
         """Runs `callback()` whenever `fd` is readable, until the run ends. The callback must make
