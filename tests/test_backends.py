@@ -130,6 +130,34 @@ async def test_anext_calls_that_time_out_lose_no_token(model_dir: MakeModel) -> 
         await engine.close()
 
 
+async def test_pending_anext_calls_awaited_by_other_tasks_keep_call_order(
+    model_dir: MakeModel,
+) -> None:
+    model = long_model(model_dir)
+    prompt = [12, 13, 14]
+    expected = await solo_ids(model, prompt)
+    engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        stream = engine.generate(prompt, **PARAMS)
+        # Six calls made in order, each awaited by its own task (on trio, a task parked in the
+        # awaitable itself; in whatever order the library starts them).
+        calls = [stream.__anext__() for _ in range(6)]
+        got: dict[int, list[int]] = {}
+
+        async def wait(i: int) -> None:
+            got[i] = (await calls[i]).token_ids
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in reversed(range(6)):
+                    tg.start_soon(wait, i)
+        ids = [t for i in range(6) for t in got[i]]
+        ids += await read_all(stream)
+        assert ids == expected
+    finally:
+        await engine.close()
+
+
 async def test_concurrent_streams_from_several_tasks(model_dir: MakeModel) -> None:
     model = long_model(model_dir)
     prompts = [[20 + i, 30 + i, 40 + i] for i in range(8)]
