@@ -239,3 +239,35 @@ def test_outside_async_code_is_a_runtime_error(model_dir: MakeModel) -> None:
     assert str(e.value) == (
         "no running event loop: strata_rs awaitables need asyncio (or uvloop) or trio"
     )
+
+
+def test_trio_streams_fall_back_to_futures_without_the_hooks(
+    model_dir: MakeModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trio whose internals moved (`stream_hooks` gives None) still streams, through
+    `create_future` as asyncio does: same tokens, and a timed-out `__anext__` loses none. Its own
+    `trio.run`, so that the run's loop and dispatcher are new and see the patched hooks."""
+    import trio
+    from strata_rs._async._trio import TrioFuture, TrioLoop
+
+    monkeypatch.setattr(TrioLoop, "stream_hooks", lambda self: None)
+    model = long_model(model_dir)
+    prompt = [9, 10, 11]
+
+    async def main() -> tuple[list[int], list[int]]:
+        expected = await solo_ids(model, prompt)
+        engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+        try:
+            stream = engine.generate(prompt, **PARAMS)
+            first = stream.__anext__()
+            assert isinstance(first, TrioFuture)
+            ids: list[int] = []
+            with trio.move_on_after(0.0):
+                ids += (await first).token_ids
+            ids += await read_all(stream)
+            return ids, expected
+        finally:
+            await engine.close()
+
+    ids, expected = trio.run(main)
+    assert ids == expected
