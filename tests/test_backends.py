@@ -259,12 +259,18 @@ def test_trio_streams_fall_back_to_futures_without_the_hooks(
         engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
         try:
             stream = engine.generate(prompt, **PARAMS)
-            first = stream.__anext__()
-            assert isinstance(first, TrioFuture)
             ids: list[int] = []
-            with trio.move_on_after(0.0):
-                ids += (await first).token_ids
-            ids += await read_all(stream)
+            timeouts = 0
+            while True:
+                call = stream.__anext__()
+                assert isinstance(call, TrioFuture)
+                with trio.move_on_after(0) as scope:
+                    try:
+                        ids += (await call).token_ids
+                    except StopAsyncIteration:
+                        break
+                timeouts += scope.cancelled_caught
+            assert timeouts > 0, "no call timed out: the test did not test cancellation"
             return ids, expected
         finally:
             await engine.close()
