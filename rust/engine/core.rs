@@ -476,10 +476,10 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Sends queued events in order. A closed stream is noticed at the next step's cancellation
-/// sweep, so a failed send needs nothing here.
-/// Sends the queued events; the event loops they wake are rung once each after the last send
-/// (`doorbell::deferring_rings`), so that a loop's one wake-up finds the whole step's deltas.
+/// Sends queued events in order; the event loops they wake are rung once each after the last
+/// send (`doorbell::deferring_rings`), so that a loop's one wake-up finds the whole step's
+/// deltas. A closed stream is noticed at the next step's cancellation sweep, so a failed send
+/// needs nothing here.
 fn send_all(queue: &mut Vec<Addressed>) {
     deferring_rings(|| {
         for (to, event) in queue.drain(..) {
