@@ -16,7 +16,9 @@ use strata_rs::model::kernels::cpu::attention::{
 };
 use strata_rs::model::kernels::cpu::kv_q8;
 use strata_rs::model::kernels::cpu::matmul::{linear, MatmulScratch};
-use strata_rs::model::kernels::cpu::quant::linear::{linear_quant, QuantMatRef, QuantScratch};
+use strata_rs::model::kernels::cpu::quant::linear::{
+    linear_quant, Layout, QuantMatRef, QuantScratch,
+};
 use strata_rs::model::kernels::cpu::quant::{quantize_row, QuantType};
 use strata_rs::model::kernels::cpu::{MatRef, WeightData};
 use strata_rs::model::testing::TestModel;
@@ -300,6 +302,7 @@ fn bench_linear_quant(c: &mut Criterion) {
             let data = quant_matrix(ty, m, k);
             let w = QuantMatRef {
                 ty,
+                layout: Layout::Rows,
                 data: &data,
                 rows: m,
                 cols: k,
@@ -327,6 +330,7 @@ fn bench_linear_quant(c: &mut Criterion) {
             let data = quant_matrix(ty, m, k);
             let w = QuantMatRef {
                 ty,
+                layout: Layout::Rows,
                 data: &data,
                 rows: m,
                 cols: k,

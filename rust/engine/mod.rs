@@ -22,7 +22,7 @@ use crate::device::{self, split, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
-use crate::model::kernels::cpu::quant::QuantType;
+use crate::model::kernels::cpu::quant::{interleave, QuantType};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{Model, ModelSource};
 use core::EngineCore;
@@ -337,6 +337,12 @@ impl Engine {
                     ty.lower_name()
                 );
             }
+        }
+        // The CPU's AVX-512 kernels read Q4_K and Q6_K fastest interleaved by groups of 16
+        // rows (the same blocks and bytes, copied out of the map once).
+        if !matches!(opts.device, Device::Cuda(_)) && interleave::wanted() {
+            let n = model.interleave_for_cpu();
+            log::info!("{n} Q4_K/Q6_K matrices interleaved for the AVX-512 kernels");
         }
         let config = model.config.clone();
         let layer_split = match &opts.layer_split {

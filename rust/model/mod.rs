@@ -439,6 +439,33 @@ impl Model {
         Ok(fell_back)
     }
 
+    /// Interleaves the Q4_K and Q6_K matrices for the CPU's AVX-512 kernels
+    /// ([`kernels::cpu::quant::interleave`]): the layer matrices and the head. A tied embedding
+    /// becomes the interleaved head (a lookup reads its row block by block), so the bytes stay
+    /// counted once. Returns how many matrices changed.
+    pub fn interleave_for_cpu(&mut self) -> usize {
+        let tied = std::ptr::eq(self.lm_head.bytes().as_ptr(), self.embed.bytes().as_ptr());
+        let mut changed = 0;
+        for layer in &mut self.layers {
+            for m in layer.matrices_mut() {
+                if let Some(t) = m.interleave() {
+                    *m = t;
+                    changed += 1;
+                }
+            }
+        }
+        if let Some(t) = self.lm_head.interleave() {
+            self.lm_head = t;
+            changed += 1;
+            if tied {
+                self.embed = self.lm_head.clone();
+            }
+        }
+        (self.dtype, self.decode_weight_bytes) =
+            weight_summary(&self.embed, &self.layers, &self.lm_head);
+        changed
+    }
+
     /// Bytes of the tensors as loaded, for the device's memory accounting: the matrices (and the
     /// embedding) at their size in the file, since they are views into the memory-mapped
     /// safetensors files (file-backed pages; an unaligned one is an owned copy of the same size),

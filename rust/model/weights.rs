@@ -86,8 +86,10 @@ pub struct Tensor {
     start: usize,
     len: usize,
     /// Owned bytes, used instead of the map's: an aligned copy when the file offset is not
-    /// aligned for the dtype, or the blocks of a tensor quantized at load.
+    /// aligned for the dtype, the blocks of a tensor quantized at load, or interleaved ones.
     owned: Option<Arc<Vec<u32>>>,
+    /// Whether the owned blocks are in the interleaved layout (`quant::interleave`).
+    interleaved: bool,
 }
 
 impl Tensor {
@@ -111,6 +113,7 @@ impl Tensor {
         // every bit pattern is a valid f32/f16/bf16.
         unsafe {
             match self.dtype {
+                DType::Quant(q) if self.interleaved => WeightData::Interleaved(q, b),
                 DType::Quant(q) => WeightData::Quant(q, b),
                 DType::F32 => {
                     WeightData::F32(std::slice::from_raw_parts(b.as_ptr() as *const f32, n))
@@ -139,6 +142,7 @@ impl Tensor {
             WeightData::F32(x) => x.to_vec(),
             WeightData::F16(x) => x.iter().map(|v| v.to_f32()).collect(),
             WeightData::Bf16(x) => x.iter().map(|v| v.to_f32()).collect(),
+            WeightData::Interleaved(..) => unreachable!("to_f32_vec: a matrix, interleaved"),
             WeightData::Quant(q, bytes) => {
                 let cols = *self.shape.last().unwrap_or(&0);
                 let rows = self.numel() / cols.max(1);
@@ -189,6 +193,7 @@ impl Tensor {
             start,
             len,
             owned,
+            interleaved: false,
         }
     }
 
@@ -219,7 +224,9 @@ impl Tensor {
                         .iter_mut()
                         .zip(&x[src])
                         .for_each(|(o, v)| *o = v.to_f32()),
-                    WeightData::Quant(..) => unreachable!("quantize: a quantized source"),
+                    WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                        unreachable!("quantize: a quantized source")
+                    }
                 }
                 quantize_row(ty, row, dst);
             },
@@ -231,7 +238,37 @@ impl Tensor {
             start: 0,
             len: rows * row_bytes,
             owned: Some(Arc::new(words)),
+            interleaved: false,
         }
+    }
+
+    /// This quantized `[rows, cols]` matrix in the interleaved layout (the same blocks, grouped
+    /// by 16 rows for the AVX-512 kernels), as a tensor that owns them; `None` when its type
+    /// has no such layout or it already is.
+    pub fn interleave(&self) -> Option<Tensor> {
+        use crate::model::kernels::cpu::quant::interleave::{
+            interleave, interleaved_len, supported,
+        };
+        let (DType::Quant(ty), &[rows, cols]) = (self.dtype, &self.shape[..]) else {
+            return None;
+        };
+        if self.interleaved || !supported(ty) {
+            return None;
+        }
+        let len = interleaved_len(ty, rows, cols)?;
+        let mut words = vec![0u32; len.div_ceil(4)];
+        // SAFETY: `words` holds at least `len` bytes, and u8 has no alignment.
+        let out = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) };
+        interleave(ty, self.bytes(), rows, cols, out);
+        Some(Tensor {
+            map: self.map.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            start: 0,
+            len,
+            owned: Some(Arc::new(words)),
+            interleaved: true,
+        })
     }
 }
 

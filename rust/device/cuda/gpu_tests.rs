@@ -266,7 +266,9 @@ fn embedding_matches_the_cpu_exactly_for_every_dtype() {
                     &dtokens.as_view(),
                     &mut dout.as_view_mut(),
                 ),
-                WeightData::Quant(..) => unreachable!("the tables here are f32, f16, bf16"),
+                WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                    unreachable!("the tables here are f32, f16, bf16")
+                }
             };
             launched.expect("embedding launches");
             // (The temporary table is freed after the launch in stream order: cudarc's drop uses
@@ -962,7 +964,9 @@ fn cublas_products_match_the_cpu_linear() {
                 WeightData::F32(w) => w.to_vec(),
                 WeightData::Bf16(w) => w.iter().map(|v| v.to_f32()).collect(),
                 WeightData::F16(w) => w.iter().map(|v| v.to_f32()).collect(),
-                WeightData::Quant(..) => unreachable!("the matrices here are f32, f16, bf16"),
+                WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                    unreachable!("the matrices here are f32, f16, bf16")
+                }
             };
             let magnitude: Vec<f32> = (0..n * rows)
                 .map(|i| {

@@ -1,6 +1,7 @@
 //! Token embedding lookup: one row of the `[vocab, hidden]` matrix, widened to f32.
 
 use super::quant::dequantize_row;
+use super::quant::linear::{dequantized_row, Layout, QuantMatRef};
 use super::{MatRef, WeightData};
 use half::slice::HalfFloatSliceExt;
 
@@ -25,12 +26,23 @@ pub fn embed(w: MatRef, token: u32, out: &mut [f32]) {
             let rb = d.len() / rows;
             dequantize_row(q, &d[t * rb..(t + 1) * rb], out);
         }
+        // A tied head interleaved for the AVX-512 kernels: the row's blocks, one by one.
+        WeightData::Interleaved(ty, data) => {
+            let w = QuantMatRef {
+                ty,
+                layout: Layout::Interleaved,
+                data,
+                rows,
+                cols,
+            };
+            dequantized_row(&w, t, out);
+        }
     }
 }
 
 /// Plain reference: element-wise conversion.
 pub fn reference(w: MatRef, token: u32, out: &mut [f32]) {
-    if let WeightData::Quant(..) = w.data {
+    if let WeightData::Quant(..) | WeightData::Interleaved(..) = w.data {
         // The block formats have one definition: dequantize_row is the reference.
         return embed(w, token, out);
     }
@@ -40,7 +52,7 @@ pub fn reference(w: MatRef, token: u32, out: &mut [f32]) {
             WeightData::F32(d) => d[base + c],
             WeightData::F16(d) => d[base + c].to_f32(),
             WeightData::Bf16(d) => d[base + c].to_f32(),
-            WeightData::Quant(..) => unreachable!("handled above"),
+            WeightData::Quant(..) | WeightData::Interleaved(..) => unreachable!("handled above"),
         };
     }
 }

@@ -26,8 +26,9 @@
 //!
 //! Explicit AVX-512 / AVX2+FMA kernels with a portable scalar fallback, selected at run time.
 
-use super::quant::dequantize_row;
-use super::quant::linear::{linear_quant, linear_quant_group, QuantMatRef, QuantOut, QuantScratch};
+use super::quant::linear::{
+    dequantized_row, linear_quant, linear_quant_group, Layout, QuantMatRef, QuantOut, QuantScratch,
+};
 use super::{MatRef, WeightData};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -109,13 +110,7 @@ pub fn linear(
     y: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    if let WeightData::Quant(ty, data) = w.data {
-        let w = QuantMatRef {
-            ty,
-            data,
-            rows: w.rows,
-            cols: w.cols,
-        };
+    if let Some(w) = quant_matrix(w) {
         linear_quant(x, n, w, bias, y, &mut scratch.quant);
         return;
     }
@@ -142,11 +137,7 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
         outs.len() <= GROUP_MAX,
         "linear_group: more than {GROUP_MAX} products"
     );
-    if !outs.is_empty()
-        && outs
-            .iter()
-            .all(|o| matches!(o.w.data, WeightData::Quant(..)))
-    {
+    if !outs.is_empty() && outs.iter().all(|o| quant_matrix(o.w).is_some()) {
         quant_group(x, n, outs, &mut scratch.quant);
         return;
     }
@@ -195,16 +186,8 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
 /// forward pass allocates nothing).
 fn quant_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut QuantScratch) {
     fn quant<'w, 'y>(o: &'y mut LinearOut<'w, '_>) -> QuantOut<'w, 'y> {
-        let WeightData::Quant(ty, data) = o.w.data else {
-            unreachable!("quant_group takes quantized products only")
-        };
         QuantOut {
-            w: QuantMatRef {
-                ty,
-                data,
-                rows: o.w.rows,
-                cols: o.w.cols,
-            },
+            w: quant_matrix(o.w).expect("quant_group takes quantized products only"),
             bias: o.bias,
             y: &mut *o.y,
         }
@@ -218,6 +201,22 @@ fn quant_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut QuantS
         }
         _ => unreachable!("linear_group: 1..={GROUP_MAX} products"),
     }
+}
+
+/// A quantized matrix as the `quant` kernels take it (`None` for a float one).
+fn quant_matrix(w: MatRef) -> Option<QuantMatRef> {
+    let (ty, layout, data) = match w.data {
+        WeightData::Quant(ty, d) => (ty, Layout::Rows, d),
+        WeightData::Interleaved(ty, d) => (ty, Layout::Interleaved, d),
+        _ => return None,
+    };
+    Some(QuantMatRef {
+        ty,
+        layout,
+        data,
+        rows: w.rows,
+        cols: w.cols,
+    })
 }
 
 /// One product of a group as its tasks see it: ISA, weights, bias, output pointer.
@@ -234,6 +233,10 @@ fn check_shapes(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &[f32])
         WeightData::F16(d) => (d.len(), m * k),
         WeightData::Bf16(d) => (d.len(), m * k),
         WeightData::Quant(q, d) => (d.len(), m * q.row_bytes(k).unwrap_or(usize::MAX)),
+        WeightData::Interleaved(q, d) => (
+            d.len(),
+            super::quant::interleave::interleaved_len(q, m, k).unwrap_or(usize::MAX),
+        ),
     };
     assert_eq!(wlen, want, "linear: weight data is not [rows, cols]");
     if let Some(b) = bias {
@@ -341,7 +344,9 @@ fn elem_bytes(data: WeightData) -> usize {
     match data {
         WeightData::F32(_) => 4,
         WeightData::F16(_) | WeightData::Bf16(_) => 2,
-        WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
+        WeightData::Quant(..) | WeightData::Interleaved(..) => {
+            unreachable!("quantized weights take quant::linear")
+        }
     }
 }
 
@@ -422,7 +427,9 @@ unsafe fn rows_dispatch(
                     debug_assert!(d.len() >= r1 * k);
                     x86::rows_avx512_bf16(d.as_ptr().cast(), k, r0, r1, xp, n, out)
                 }
-                WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
+                WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                    unreachable!("quantized weights take quant::linear")
+                }
             }
         }
         #[cfg(target_arch = "x86_64")]
@@ -439,13 +446,17 @@ unsafe fn rows_dispatch(
                 debug_assert!(d.len() >= r1 * k);
                 x86::rows_avx2_bf16(d.as_ptr().cast(), k, r0, r1, x.as_ptr(), n, out)
             }
-            WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
+            WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                unreachable!("quantized weights take quant::linear")
+            }
         },
         Isa::Scalar => match data {
             WeightData::F32(d) => rows_scalar(d, |v| v, k, r0, r1, x, n, out),
             WeightData::F16(d) => rows_scalar(d, |v| v.to_f32(), k, r0, r1, x, n, out),
             WeightData::Bf16(d) => rows_scalar(d, |v| v.to_f32(), k, r0, r1, x, n, out),
-            WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
+            WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                unreachable!("quantized weights take quant::linear")
+            }
         },
     }
 }
@@ -1139,7 +1150,9 @@ fn convert_rows(data: WeightData, start: usize, dst: &mut [f32]) {
             use half::slice::HalfFloatSliceExt;
             src.convert_to_f32_slice(dst);
         }
-        WeightData::Quant(..) => unreachable!("quantized weights take quant::linear"),
+        WeightData::Quant(..) | WeightData::Interleaved(..) => {
+            unreachable!("quantized weights take quant::linear")
+        }
     }
 }
 
@@ -1242,18 +1255,14 @@ fn linear_panels(
 /// Plain reference: f64 accumulation, one element at a time.
 pub fn reference(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
-    let dequantized: Vec<f32> = match w.data {
-        WeightData::Quant(q, d) => match q.row_bytes(k) {
-            Some(rb) if rb > 0 => d
-                .chunks_exact(rb)
-                .flat_map(|row| {
-                    let mut out = vec![0.0; k];
-                    dequantize_row(q, row, &mut out);
-                    out
-                })
-                .collect(),
-            _ => Vec::new(),
-        },
+    let dequantized: Vec<f32> = match quant_matrix(w) {
+        Some(q) if k > 0 => {
+            let mut out = vec![0.0; m * k];
+            for (r, row) in out.chunks_exact_mut(k).enumerate() {
+                dequantized_row(&q, r, row);
+            }
+            out
+        }
         _ => Vec::new(),
     };
     let get = |i: usize| -> f64 {
@@ -1261,7 +1270,7 @@ pub fn reference(x: &[f32], n: usize, w: MatRef, bias: Option<&[f32]>, y: &mut [
             WeightData::F32(d) => d[i] as f64,
             WeightData::F16(d) => d[i].to_f64(),
             WeightData::Bf16(d) => d[i].to_f64(),
-            WeightData::Quant(..) => dequantized[i] as f64,
+            WeightData::Quant(..) | WeightData::Interleaved(..) => dequantized[i] as f64,
         }
     };
     for t in 0..n {
@@ -1292,7 +1301,9 @@ mod tests {
                 WeightData::F32(d) => d[i].abs() as f64,
                 WeightData::F16(d) => d[i].to_f64().abs(),
                 WeightData::Bf16(d) => d[i].to_f64().abs(),
-                WeightData::Quant(..) => unreachable!("the tests here use element types"),
+                WeightData::Quant(..) | WeightData::Interleaved(..) => {
+                    unreachable!("the tests here use element types")
+                }
             }
         };
         for t in 0..n {

@@ -25,6 +25,9 @@ pub enum WeightData<'a> {
     Bf16(&'a [bf16]),
     /// Rows of ggml blocks (`rows * ty.row_bytes(cols)` bytes), read by the `quant` kernels.
     Quant(quant::QuantType, &'a [u8]),
+    /// The same blocks interleaved by groups of 16 rows ([`quant::interleave`]), made at load
+    /// for the AVX-512 kernels.
+    Interleaved(quant::QuantType, &'a [u8]),
 }
 
 /// A row-major `[rows, cols]` weight matrix in PyTorch `Linear` layout (out_features x in_features).

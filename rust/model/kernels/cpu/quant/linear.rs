@@ -29,19 +29,46 @@ use super::activation::{Act, ActBuf, ActFormat};
 use super::{unpack, QuantType, Unpacked};
 use rayon::prelude::*;
 
-/// A row-major `[rows, cols]` quantized weight matrix: `rows` rows of `ty.row_bytes(cols)`.
+/// A `[rows, cols]` quantized weight matrix: `rows` rows of `ty.row_bytes(cols)`, in ggml's
+/// row-major layout or interleaved by groups of 16 rows.
 #[derive(Clone, Copy, Debug)]
 pub struct QuantMatRef<'a> {
     pub ty: QuantType,
+    pub layout: Layout,
     pub data: &'a [u8],
     pub rows: usize,
     pub cols: usize,
+}
+
+/// How a quantized matrix's blocks are ordered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// ggml's: row after row, each a run of blocks (what GGUF files hold).
+    Rows,
+    /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_K, Q6_K).
+    Interleaved,
 }
 
 impl QuantMatRef<'_> {
     /// Bytes per row (panics unless `cols` is whole blocks: checked in `check_shapes`).
     fn row_bytes(&self) -> usize {
         self.ty.row_bytes(self.cols).expect("whole blocks")
+    }
+
+    /// Block `b` of row `r` in ggml's layout: a view (row-major), or rebuilt into `buf`.
+    #[inline]
+    fn block<'b>(&'b self, r: usize, b: usize, buf: &'b mut [u8; 256]) -> &'b [u8] {
+        let bb = self.ty.block_bytes();
+        match self.layout {
+            Layout::Rows => {
+                let at = r * self.row_bytes() + b * bb;
+                &self.data[at..at + bb]
+            }
+            Layout::Interleaved => {
+                super::interleave::block_of(self.ty, self.data, self.cols, r, b, &mut buf[..bb]);
+                &buf[..bb]
+            }
+        }
     }
 }
 
@@ -113,6 +140,16 @@ pub(super) enum Isa {
 }
 
 impl Isa {
+    /// Whether this path has kernels for the interleaved layout (the others read it block by
+    /// block, rebuilt, through the scalar path).
+    pub(super) fn reads_interleaved(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Isa::Avx512Vnni {
+            return true;
+        }
+        false
+    }
+
     pub(super) fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
@@ -164,9 +201,20 @@ fn check_shapes(x: &[f32], n: usize, w: &QuantMatRef, bias: Option<&[f32]>, y: &
     });
     assert_eq!(x.len(), n * w.cols, "linear_quant: x is not [n, cols]");
     assert_eq!(y.len(), n * w.rows, "linear_quant: y is not [n, rows]");
+    let rows = match w.layout {
+        Layout::Rows => w.rows,
+        Layout::Interleaved => {
+            assert!(
+                super::interleave::supported(w.ty),
+                "linear_quant: {} has no interleaved layout",
+                w.ty.name()
+            );
+            w.rows.next_multiple_of(super::interleave::GROUP)
+        }
+    };
     assert_eq!(
         w.data.len(),
-        rb * w.rows,
+        rb * rows,
         "linear_quant: weight data is not [rows, row_bytes]"
     );
     if let Some(b) = bias {
@@ -344,6 +392,13 @@ pub(super) unsafe fn rows_dispatch(
     act: &Act,
     out: Out,
 ) {
+    if w.layout == Layout::Interleaved {
+        #[cfg(target_arch = "x86_64")]
+        if isa.reads_interleaved() {
+            return super::avx512_x16::rows(w, r0, r1, act, out);
+        }
+        return rows_scalar(w, r0, r1, act, out);
+    }
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => super::avx512::rows(w, r0, r1, act, out),
@@ -403,16 +458,17 @@ pub(super) fn int_dot(u: &Unpacked, act: &Act, t: usize, b: usize) -> (i32, i32)
 /// # Safety
 /// As [`rows_dispatch`].
 pub(super) unsafe fn rows_scalar(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
-    let (ty, rb, bb) = (w.ty, w.row_bytes(), w.ty.block_bytes());
+    let ty = w.ty;
     let has_min = ty.has_min();
+    let nb = w.cols / ty.block_elems();
     let mut u = Unpacked::new();
+    let mut buf = [0u8; 256];
     for r in r0..r1 {
-        let row = &w.data[r * rb..(r + 1) * rb];
         for t0 in (0..act.n).step_by(16) {
             let tn = (act.n - t0).min(16);
             let mut acc = [0f32; 16];
-            for (b, block) in row.chunks_exact(bb).enumerate() {
-                unpack(ty, block, &mut u);
+            for b in 0..nb {
+                unpack(ty, w.block(r, b, &mut buf), &mut u);
                 for (t, a) in acc.iter_mut().enumerate().take(tn) {
                     let (i1, i2) = int_dot(&u, act, t0 + t, b);
                     let dx = act.d[act.at(t0 + t, b)];
@@ -426,13 +482,21 @@ pub(super) unsafe fn rows_scalar(w: &QuantMatRef, r0: usize, r1: usize, act: &Ac
     }
 }
 
+/// Row `r` of `w`, dequantized into `out` (`w.cols` values), whatever the layout.
+pub fn dequantized_row(w: &QuantMatRef, r: usize, out: &mut [f32]) {
+    let be = w.ty.block_elems();
+    let mut buf = [0u8; 256];
+    for (b, o) in out.chunks_exact_mut(be).enumerate() {
+        super::dequantize_row(w.ty, w.block(r, b, &mut buf), o);
+    }
+}
+
 /// Plain reference: the weights dequantized, f64 dot products with the f32 activations.
 pub fn reference(x: &[f32], n: usize, w: QuantMatRef, bias: Option<&[f32]>, y: &mut [f32]) {
     let (m, k) = (w.rows, w.cols);
-    let rb = w.row_bytes();
     let mut row = vec![0f32; k];
     for r in 0..m {
-        super::dequantize_row(w.ty, &w.data[r * rb..(r + 1) * rb], &mut row);
+        dequantized_row(&w, r, &mut row);
         for t in 0..n {
             let mut s = bias.map_or(0.0, |b| b[r] as f64);
             for c in 0..k {
@@ -526,6 +590,7 @@ mod tests {
                 let data = matrix(ty, m, k, &mut rng);
                 let w = QuantMatRef {
                     ty,
+                    layout: Layout::Rows,
                     data: &data,
                     rows: m,
                     cols: k,
@@ -538,6 +603,65 @@ mod tests {
                 for isa in Isa::available() {
                     let y = run(isa, &x, n, w, bias);
                     assert_eq!(bits(&y), bits(&scalar), "{ty:?} {isa:?} n={n} m={m}");
+                }
+            }
+        }
+    }
+
+    /// The interleaved layout, on every path this CPU has, gives the row-major scalar path's
+    /// bits: every token count (1..4 token tiles and their remainders), row counts that are not
+    /// whole groups, with and without bias, on 1 and 2 threads.
+    #[test]
+    fn interleaved_equals_rows_to_the_bit() {
+        use super::super::interleave::{interleave, interleaved_len};
+        let mut rng = Rng(31);
+        let pools = thread_pools(&[1, 2]);
+        for ty in [QuantType::Q4_K, QuantType::Q6_K] {
+            for &(n, m, k) in &[
+                (1usize, 37usize, 768usize),
+                (2, 16, 256),
+                (3, 20, 512),
+                (4, 48, 256),
+                (7, 33, 768),
+                (18, 5, 256),
+                (100, 64, 512),
+            ] {
+                let data = matrix(ty, m, k, &mut rng);
+                let rows = QuantMatRef {
+                    ty,
+                    layout: Layout::Rows,
+                    data: &data,
+                    rows: m,
+                    cols: k,
+                };
+                let mut inter = vec![0u8; interleaved_len(ty, m, k).unwrap()];
+                interleave(ty, &data, m, k, &mut inter);
+                let w = QuantMatRef {
+                    layout: Layout::Interleaved,
+                    data: &inter,
+                    ..rows
+                };
+                let x = rng.vec(n * k);
+                let bias = rng.vec(m);
+                let bias = (n % 2 == 0).then_some(&bias[..]);
+                let want = run(Isa::Scalar, &x, n, rows, bias);
+                for isa in Isa::available() {
+                    for pool in &pools {
+                        let got = pool.install(|| run(isa, &x, n, w, bias));
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{ty:?} {isa:?} n={n} m={m} k={k} threads={}",
+                            pool.current_num_threads()
+                        );
+                    }
+                }
+                let mut row = vec![0f32; k];
+                let mut want_row = vec![0f32; k];
+                for r in [0, m / 2, m - 1] {
+                    dequantized_row(&w, r, &mut row);
+                    dequantized_row(&rows, r, &mut want_row);
+                    assert_eq!(bits(&row), bits(&want_row), "{ty:?} row {r}");
                 }
             }
         }
@@ -556,6 +680,7 @@ mod tests {
             let data = matrix(ty, m, k, &mut rng);
             let w = QuantMatRef {
                 ty,
+                layout: Layout::Rows,
                 data: &data,
                 rows: m,
                 cols: k,
@@ -619,6 +744,7 @@ mod tests {
             .zip(&datas)
             .map(|(&(ty, m), d)| QuantMatRef {
                 ty,
+                layout: Layout::Rows,
                 data: d,
                 rows: m,
                 cols: k,
@@ -714,9 +840,23 @@ mod timing {
                 .map(|i| ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)
                 .collect();
             super::super::quantize_row(ty, &xs, &mut row);
-            let data: Vec<u8> = (0..m * copies).flat_map(|_| row.iter().copied()).collect();
+            let mut data: Vec<u8> = (0..m * copies).flat_map(|_| row.iter().copied()).collect();
+            // QUANT_LAYOUT=interleaved: the matrices interleaved (m a multiple of 16).
+            let layout = match std::env::var("QUANT_LAYOUT").as_deref() {
+                Ok("interleaved") => {
+                    let mut out = vec![0u8; data.len()];
+                    for (src, dst) in data.chunks(m * rb).zip(out.chunks_mut(m * rb)) {
+                        super::super::interleave::interleave(ty, src, m, k, dst);
+                    }
+                    data = out;
+                    Layout::Interleaved
+                }
+                _ => Layout::Rows,
+            };
+            println!("{layout:?}");
             let mat = |c: usize| QuantMatRef {
                 ty,
+                layout,
                 data: &data[c * m * rb..(c + 1) * m * rb],
                 rows: m,
                 cols: k,
@@ -789,6 +929,7 @@ mod timing {
                 let data: Vec<u8> = (0..m).flat_map(|_| row.iter().copied()).collect();
                 let w = QuantMatRef {
                     ty,
+                    layout: Layout::Rows,
                     data: &data,
                     rows: m,
                     cols: k,

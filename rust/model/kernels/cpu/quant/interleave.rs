@@ -1,0 +1,307 @@
+//! The interleaved layout of Q4_K and Q6_K matrices: the same blocks, the same bits per weight,
+//! stored so that a group of 16 rows is one sequential stream with its rows in vector lanes.
+//!
+//! In ggml's row-major layout a register tile of 16 rows reads block by block with a stride of
+//! one row between reads (16 short streams the hardware prefetcher does not follow) and must
+//! reduce each row's vector of partial sums across lanes. Interleaved, rows `16g .. 16g + 16`
+//! are stored super-block by super-block (`record(g, b)`: block `b` of all 16 rows together),
+//! and inside a record every field of the 16 blocks is laid out with row `i` in the 4-byte lane
+//! `i` of a 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes
+//! broadcast to all lanes then gives each row's sum in its own lane, with no reduction. The
+//! AVX-512 VNNI kernel that reads it is [`super::avx512_x16`]; every other path reads a block
+//! back in ggml's layout ([`block_of`]) and computes the same bits.
+//!
+//! A matrix whose row count is not a multiple of 16 is padded with zero rows (never stored to
+//! an output). Only the CPU's kernels read this layout: the weights are interleaved at load when
+//! they run on an AVX-512 VNNI CPU ([`wanted`]).
+//!
+//! Records, `16 * block_bytes` bytes (`i`: row within the group, `j`: byte within the lane):
+//!
+//! ```text
+//! Q4_K (2304 bytes)                       Q6_K (3360 bytes)
+//!    0  d[16] (f16)                          0  d[16] (f16)
+//!   32  dmin[16] (f16)                      32  scales[16 sub-blocks][16 rows] (i8)
+//!   64  scales[12 bytes][16 rows]          288  sub-block s (16 weights) at 288 + 192s:
+//!  256  qs: sub-block s (32 weights),             ql vector v (v = 0, 1) at + 64v: byte
+//!       vector k: byte 4i + j =                   4i + j = q[16s + 8v + j] (low nibble)
+//!       q[32s + 4k + j] (low nibble)              | q[16s + 8v + 4 + j] (high nibble);
+//!       | q[32s + 16 + 4k + j] (high)             qh at + 128: byte 4i + j holds the top
+//!                                                 2 bits of q[16s + 4t + j] at bits 2t
+//! ```
+//!
+//! Each record reads front to back: one stream per group, which the hardware prefetches.
+
+use super::QuantType;
+
+/// Rows per group.
+pub const GROUP: usize = 16;
+
+/// Whether `ty` has an interleaved layout (and its kernel).
+pub fn supported(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q4_K | QuantType::Q6_K)
+}
+
+/// Whether this CPU's kernels read the interleaved layout (the weights are interleaved at load
+/// then); the other paths would read it block by block, slower than ggml's layout.
+pub fn wanted() -> bool {
+    super::linear::Isa::detect().reads_interleaved()
+}
+
+/// Bytes of a `[rows, cols]` matrix of `ty`, interleaved: the rows padded to whole groups.
+pub fn interleaved_len(ty: QuantType, rows: usize, cols: usize) -> Option<usize> {
+    ty.row_bytes(cols)?
+        .checked_mul(rows.div_ceil(GROUP) * GROUP)
+}
+
+/// Byte offset of the record holding block `b` of the group of row `r`.
+#[inline(always)]
+pub fn record_offset(ty: QuantType, cols: usize, r: usize, b: usize) -> usize {
+    let bb = ty.block_bytes();
+    (r / GROUP) * GROUP * (cols / ty.block_elems()) * bb + b * GROUP * bb
+}
+
+/// `src` (`rows` rows of ggml blocks of `ty`, `supported(ty)`) in the interleaved layout, into
+/// `dst` (`interleaved_len` bytes).
+pub fn interleave(ty: QuantType, src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) {
+    use rayon::prelude::*;
+    assert!(
+        supported(ty),
+        "interleave: no interleaved layout for {ty:?}"
+    );
+    let (bb, rb) = (ty.block_bytes(), ty.row_bytes(cols).expect("whole blocks"));
+    assert_eq!(
+        src.len(),
+        rows * rb,
+        "interleave: src is not [rows, row_bytes]"
+    );
+    let group_bytes = GROUP * rb;
+    assert_eq!(
+        dst.len(),
+        rows.div_ceil(GROUP) * group_bytes,
+        "interleave: dst size"
+    );
+    let zero = vec![0u8; bb];
+    dst.par_chunks_mut(group_bytes)
+        .enumerate()
+        .for_each(|(g, group)| {
+            for (b, rec) in group.chunks_exact_mut(GROUP * bb).enumerate() {
+                let blocks: [&[u8]; GROUP] = std::array::from_fn(|i| {
+                    let r = GROUP * g + i;
+                    if r < rows {
+                        &src[r * rb + b * bb..r * rb + (b + 1) * bb]
+                    } else {
+                        &zero[..]
+                    }
+                });
+                match ty {
+                    QuantType::Q4_K => record_q4_k(&blocks, rec),
+                    _ => record_q6_k(&blocks, rec),
+                }
+            }
+        });
+}
+
+/// Block `b` of row `r` of an interleaved matrix, in ggml's layout, into `out` (`block_bytes`).
+pub fn block_of(ty: QuantType, data: &[u8], cols: usize, r: usize, b: usize, out: &mut [u8]) {
+    let off = record_offset(ty, cols, r, b);
+    let rec = &data[off..off + GROUP * ty.block_bytes()];
+    let i = r % GROUP;
+    match ty {
+        QuantType::Q4_K => block_q4_k(rec, i, out),
+        QuantType::Q6_K => block_q6_k(rec, i, out),
+        _ => panic!("block_of: no interleaved layout for {ty:?}"),
+    }
+}
+
+/// The 256 levels (0..15) of a Q4_K block.
+fn levels_q4_k(blk: &[u8]) -> [u8; 256] {
+    let mut q = [0u8; 256];
+    for c in 0..4 {
+        for l in 0..32 {
+            let v = blk[16 + 32 * c + l];
+            q[64 * c + l] = v & 15;
+            q[64 * c + 32 + l] = v >> 4;
+        }
+    }
+    q
+}
+
+/// The 256 levels (0..63) of a Q6_K block.
+fn levels_q6_k(blk: &[u8]) -> [u8; 256] {
+    let mut q = [0u8; 256];
+    for h in 0..2 {
+        for g in 0..4 {
+            for l in 0..32 {
+                let ql = blk[64 * h + 32 * (g % 2) + l];
+                let nib = if g < 2 { ql & 15 } else { ql >> 4 };
+                let top = (blk[128 + 32 * h + l] >> (2 * g)) & 3;
+                q[128 * h + 32 * g + l] = nib | top << 4;
+            }
+        }
+    }
+    q
+}
+
+fn record_q4_k(blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
+    for (i, blk) in blocks.iter().enumerate() {
+        rec[2 * i..2 * i + 2].copy_from_slice(&blk[0..2]);
+        rec[32 + 2 * i..32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
+        for p in 0..12 {
+            rec[64 + 16 * p + i] = blk[4 + p];
+        }
+        let q = levels_q4_k(blk);
+        for s in 0..8 {
+            for k in 0..4 {
+                for j in 0..4 {
+                    let w = 32 * s + 4 * k + j;
+                    rec[256 + 256 * s + 64 * k + 4 * i + j] = q[w] | q[w + 16] << 4;
+                }
+            }
+        }
+    }
+}
+
+fn block_q4_k(rec: &[u8], i: usize, out: &mut [u8]) {
+    out[0..2].copy_from_slice(&rec[2 * i..2 * i + 2]);
+    out[2..4].copy_from_slice(&rec[32 + 2 * i..32 + 2 * i + 2]);
+    for p in 0..12 {
+        out[4 + p] = rec[64 + 16 * p + i];
+    }
+    let mut q = [0u8; 256];
+    for s in 0..8 {
+        for k in 0..4 {
+            for j in 0..4 {
+                let w = 32 * s + 4 * k + j;
+                let v = rec[256 + 256 * s + 64 * k + 4 * i + j];
+                q[w] = v & 15;
+                q[w + 16] = v >> 4;
+            }
+        }
+    }
+    for c in 0..4 {
+        for l in 0..32 {
+            out[16 + 32 * c + l] = q[64 * c + l] | q[64 * c + 32 + l] << 4;
+        }
+    }
+}
+
+fn record_q6_k(blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
+    for (i, blk) in blocks.iter().enumerate() {
+        rec[2 * i..2 * i + 2].copy_from_slice(&blk[208..210]);
+        for s in 0..16 {
+            rec[32 + 16 * s + i] = blk[192 + s];
+        }
+        let q = levels_q6_k(blk);
+        for s in 0..16 {
+            for j in 0..4 {
+                for v in 0..2 {
+                    let w = 16 * s + 8 * v + j;
+                    rec[288 + 192 * s + 64 * v + 4 * i + j] = (q[w] & 15) | (q[w + 4] & 15) << 4;
+                }
+                let mut top = 0u8;
+                for t in 0..4 {
+                    top |= (q[16 * s + 4 * t + j] >> 4) << (2 * t);
+                }
+                rec[288 + 192 * s + 128 + 4 * i + j] = top;
+            }
+        }
+    }
+}
+
+fn block_q6_k(rec: &[u8], i: usize, out: &mut [u8]) {
+    out[208..210].copy_from_slice(&rec[2 * i..2 * i + 2]);
+    for s in 0..16 {
+        out[192 + s] = rec[32 + 16 * s + i];
+    }
+    let mut q = [0u8; 256];
+    for s in 0..16 {
+        for j in 0..4 {
+            for v in 0..2 {
+                let w = 16 * s + 8 * v + j;
+                let b = rec[288 + 192 * s + 64 * v + 4 * i + j];
+                q[w] = b & 15;
+                q[w + 4] = b >> 4;
+            }
+            let top = rec[288 + 192 * s + 128 + 4 * i + j];
+            for t in 0..4 {
+                q[16 * s + 4 * t + j] |= ((top >> (2 * t)) & 3) << 4;
+            }
+        }
+    }
+    out[..192].fill(0);
+    for h in 0..2 {
+        for g in 0..4 {
+            for l in 0..32 {
+                let v = q[128 * h + 32 * g + l];
+                let ql = &mut out[64 * h + 32 * (g % 2) + l];
+                *ql |= if g < 2 { v & 15 } else { (v & 15) << 4 };
+                out[128 + 32 * h + l] |= (v >> 4) << (2 * g);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::kernels::cpu::test_rng::Rng;
+
+    /// Random bytes are valid blocks of both types (every bit pattern is), so a round trip of
+    /// random data checks every bit of every field.
+    #[test]
+    fn every_block_reads_back_as_it_was() {
+        let mut rng = Rng(7);
+        for ty in [QuantType::Q4_K, QuantType::Q6_K] {
+            for &(rows, cols) in &[(16usize, 256usize), (37, 512), (5, 768), (48, 256)] {
+                let rb = ty.row_bytes(cols).unwrap();
+                let src: Vec<u8> = (0..rows * rb).map(|_| rng.next_u() as u8).collect();
+                let mut dst = vec![0xAAu8; interleaved_len(ty, rows, cols).unwrap()];
+                interleave(ty, &src, rows, cols, &mut dst);
+                let bb = ty.block_bytes();
+                let mut out = vec![0u8; bb];
+                for r in 0..rows.div_ceil(GROUP) * GROUP {
+                    for b in 0..cols / 256 {
+                        block_of(ty, &dst, cols, r, b, &mut out);
+                        if r < rows {
+                            let want = &src[r * rb + b * bb..r * rb + (b + 1) * bb];
+                            assert_eq!(out, want, "{ty:?} {rows}x{cols} row {r} block {b}");
+                        } else {
+                            assert!(out.iter().all(|&v| v == 0), "padding row {r} is zero");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The record fields sit where the kernel reads them (one hand-checked weight per field).
+    #[test]
+    fn fields_sit_where_the_kernel_reads_them() {
+        let cols = 256;
+        let mut rng = Rng(3);
+        // Q4_K: row 5, weight 32 * 2 + 16 + 4 * 1 + 3 = 87 is the high nibble of sub-block 2,
+        // vector 1, lane 5, byte 3.
+        let ty = QuantType::Q4_K;
+        let src: Vec<u8> = (0..16 * 144).map(|_| rng.next_u() as u8).collect();
+        let mut dst = vec![0u8; interleaved_len(ty, 16, cols).unwrap()];
+        interleave(ty, &src, 16, cols, &mut dst);
+        let blk = &src[5 * 144..6 * 144];
+        assert_eq!(
+            dst[256 + 256 * 2 + 64 + 4 * 5 + 3] >> 4,
+            levels_q4_k(blk)[87]
+        );
+        assert_eq!(dst[64 + 16 * 7 + 5], blk[4 + 7]);
+        assert_eq!(dst[32 + 10..32 + 12], blk[2..4]);
+        // Q6_K: row 9, weight 16 * 3 + 4 * 2 + 1 = 57: low nibble of sub-block 3, vector 1,
+        // lane 9, byte 1; its top bits at bits 4-5 of the qh byte.
+        let ty = QuantType::Q6_K;
+        let src: Vec<u8> = (0..16 * 210).map(|_| rng.next_u() as u8).collect();
+        let mut dst = vec![0u8; interleaved_len(ty, 16, cols).unwrap()];
+        interleave(ty, &src, 16, cols, &mut dst);
+        let blk = &src[9 * 210..10 * 210];
+        let q = levels_q6_k(blk)[57];
+        assert_eq!(dst[288 + 192 * 3 + 64 + 4 * 9 + 1] & 15, q & 15);
+        assert_eq!((dst[288 + 192 * 3 + 128 + 4 * 9 + 1] >> 4) & 3, q >> 4);
+        assert_eq!(dst[32 + 16 * 11 + 9], blk[192 + 11]);
+    }
+}
