@@ -417,6 +417,38 @@ fn gguf_files_compute_what_the_folder_computes() {
     }
 }
 
+#[test]
+fn interleaved_weights_give_the_same_logits_to_the_bit() {
+    // Q4_K and Q6_K files, with a tied embedding (the lookup then reads the interleaved head)
+    // and without; 35 rows of vocabulary are not whole groups of 16. Whichever kernel this CPU
+    // runs on the interleaved layout, the logits are the row-major ones, bit for bit.
+    for (ty, tied) in [
+        (QuantType::Q4_K, true),
+        (QuantType::Q6_K, false),
+        (QuantType::Q6_K, true),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut m = TestModel::tiny("llama");
+        (m.hidden, m.intermediate, m.head_dim, m.vocab, m.tied) = (256, 512, 64, 291, tied);
+        let path = dir.path().join("model.gguf");
+        m.write_gguf(&path, DType::Quant(ty)).unwrap();
+        let tokens = ids(40, 291, 6);
+        let want = runner(&path, 512).all_logits(&tokens).unwrap();
+        let mut model = Model::load(&path, 512).unwrap();
+        let bytes = model.weight_bytes();
+        // 2 layers x 7 matrices, and the head.
+        assert_eq!(model.interleave_for_cpu(), 15, "{ty:?} tied={tied}");
+        assert_eq!(model.interleave_for_cpu(), 0, "interleaving twice changes nothing");
+        // The vocabulary padded to 304 rows; a tied head still counts once.
+        let pad = (304 - 291) * ty.row_bytes(256).unwrap();
+        assert_eq!(model.weight_bytes(), bytes + pad, "{ty:?} tied={tied}");
+        let got = runner_of(model, 16, KvDtype::for_weights(DType::Quant(ty)), 2)
+            .all_logits(&tokens)
+            .unwrap();
+        assert_bits_eq(&got, &want, &format!("{ty:?} tied={tied}"));
+    }
+}
+
 // ---- Batch invariance: every row's logits are bitwise independent of the step it ran in. ----
 
 /// The tiny model of `family` in `dtype` (mistral with a 50-key sliding window, so that windows
