@@ -438,7 +438,11 @@ fn interleaved_weights_give_the_same_logits_to_the_bit() {
         let bytes = model.weight_bytes();
         // 2 layers x 7 matrices, and the head.
         assert_eq!(model.interleave_for_cpu(), 15, "{ty:?} tied={tied}");
-        assert_eq!(model.interleave_for_cpu(), 0, "interleaving twice changes nothing");
+        assert_eq!(
+            model.interleave_for_cpu(),
+            0,
+            "interleaving twice changes nothing"
+        );
         // The vocabulary padded to 304 rows; a tied head still counts once.
         let pad = (304 - 291) * ty.row_bytes(256).unwrap();
         assert_eq!(model.weight_bytes(), bytes + pad, "{ty:?} tied={tied}");

@@ -189,16 +189,19 @@ def _attention_mask(n: int, window: int | None, rows: range | None = None) -> np
     return mask
 
 
-def reference_logits(model_dir: Path | str, token_ids: list[int]) -> np.ndarray:
+def reference_logits(
+    model_dir: Path | str, token_ids: list[int], matmul_inputs: str = "f32"
+) -> np.ndarray:
     """HF-semantics forward over the whole sequence; float64 [n, vocab]. A `.gguf`
-    path runs the same forward over the file's tensors, dequantized."""
+    path runs the same forward over the file's tensors, dequantized. `matmul_inputs`: see
+    `forward`."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".gguf":
         config, raw, freqs = load_gguf(model_dir)
-        return forward(config, raw, token_ids, freqs)
+        return forward(config, raw, token_ids, freqs, matmul_inputs)
     config = json.loads((model_dir / "config.json").read_text())
     raw = load_weights(model_dir)
-    return forward(config, raw, token_ids, None)
+    return forward(config, raw, token_ids, None, matmul_inputs)
 
 
 # GGUF architecture -> HF model_type.
@@ -288,16 +291,29 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
     return config, raw, freqs
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """`x` through f32 rounded to bf16 (nearest even), as float64."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def forward(
     config: Mapping[str, Any],
     raw: Mapping[str, np.ndarray],
     token_ids: list[int],
     freqs: np.ndarray | None,
+    matmul_inputs: str = "f32",
 ) -> np.ndarray:
-    """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE."""
+    """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE.
+    `matmul_inputs="bf16"` rounds every weight matmul's input rows to bf16 first, the
+    arithmetic of an engine whose info["matmul_inputs"] says so (and of a PyTorch bf16 model)."""
+    if matmul_inputs not in ("f32", "bf16"):
+        raise ValueError(f"matmul_inputs {matmul_inputs!r}")
+    rounded = round_bf16 if matmul_inputs == "bf16" else (lambda v: v)
 
     def mm(x: np.ndarray, name: str, bias: np.ndarray | None = None) -> np.ndarray:
-        return _linear(x, w(name), bias)
+        return _linear(rounded(x), w(name), bias)
 
     family = config["model_type"]
     if family not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -369,4 +385,4 @@ def forward(
         head = w("model.embed_tokens.weight")
     else:
         head = w("lm_head.weight")
-    return x @ head.T
+    return rounded(x) @ head.T

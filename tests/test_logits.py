@@ -30,13 +30,23 @@ LOW_PRECISION_REL_TOL = 0.05
 
 MakeModel = Callable[..., Path]
 
-_reference_cache: dict[tuple[Path, tuple[int, ...]], np.ndarray] = {}
+_reference_cache: dict[tuple[Path, tuple[int, ...], str], np.ndarray] = {}
 
 
-def reference(path: Path, ids: Sequence[int]) -> np.ndarray:
-    key = (path, tuple(ids))
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has AVX-512 with bf16 dot products (Linux's /proc/cpuinfo flags)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+
+
+def reference(path: Path, ids: Sequence[int], matmul_inputs: str = "f32") -> np.ndarray:
+    key = (path, tuple(ids), matmul_inputs)
     if key not in _reference_cache:
-        _reference_cache[key] = reference_logits(path, list(ids))
+        _reference_cache[key] = reference_logits(path, list(ids), matmul_inputs)
     return _reference_cache[key]
 
 
@@ -44,9 +54,17 @@ async def engine_logits(
     path: Path, batches: Sequence[Sequence[int]], **load_args: Any
 ) -> list[np.ndarray]:
     """Logits of each id list, in order, from one engine instance."""
+    logits, _ = await engine_logits_info(path, batches, **load_args)
+    return logits
+
+
+async def engine_logits_info(
+    path: Path, batches: Sequence[Sequence[int]], **load_args: Any
+) -> tuple[list[np.ndarray], dict[str, Any]]:
+    """As engine_logits, with the engine's info."""
     engine = await strata_rs.Engine.load(str(path), **load_args)
     try:
-        return [await engine.logits(list(ids)) for ids in batches]
+        return [await engine.logits(list(ids)) for ids in batches], engine.info
     finally:
         await engine.close()
 
@@ -79,12 +97,35 @@ def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_logits_match_reference(model_dir: MakeModel, family: str, dtype: str) -> None:
     path = model_dir(family, dtype)
-    (logits,) = await engine_logits(path, [SEQ], device="cpu")
+    (logits,), info = await engine_logits_info(path, [SEQ], device="cpu")
+    assert info["matmul_inputs"] == "f32"  # bf16_dot is off by default
     expected = reference(path, SEQ)  # reads the same (rounded) weights, upcast
     if dtype == "f32":
         assert_close(logits, expected)
     else:
         assert_argmax_agrees(logits, expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_bf16_dot_matches_the_reference_of_rounded_inputs(
+    model_dir: MakeModel, family: str
+) -> None:
+    # bf16_dot=True: on a CPU with bf16 dot products every weight matmul rounds its input
+    # rows to bf16, and the reference does the same (f32 K/V, so that only the matmuls
+    # differ from f64); elsewhere the engine stays on f32 inputs and the plain reference.
+    path = model_dir(family, "bf16")
+    (logits,), info = await engine_logits_info(
+        path, [SEQ], device="cpu", bf16_dot=True, kv_dtype="f32"
+    )
+    assert info["matmul_inputs"] == ("bf16" if cpu_has_bf16_dot() else "f32")
+    expected = reference(path, SEQ, info["matmul_inputs"])
+    assert_argmax_agrees(logits, expected)
+    # The rounding is what moves the logits: the unrounded reference is further away.
+    if info["matmul_inputs"] == "bf16":
+        span = float(expected.max() - expected.min())
+        plain = reference(path, SEQ)
+        assert np.abs(logits - expected).max() < np.abs(logits - plain).max()
+        assert np.abs(logits - expected).max() <= 2e-3 * span
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -18,6 +18,7 @@ from reference import (
     read_safetensors,
     read_safetensors_header,
     reference_logits,
+    round_bf16,
 )
 from strata_rs.testing.models import (
     FAMILIES,
@@ -192,6 +193,17 @@ def test_bf16_rounding_is_nearest() -> None:
     hi = bf16_bits_to_f32(((x.view(np.uint32) >> 16) + 1).astype(np.uint16)).astype(np.float64)
     err = np.abs(y - x)
     assert np.all(err <= np.minimum(np.abs(lo - x), np.abs(hi - x)))
+
+
+def test_reference_bf16_rounding_matches_the_generators() -> None:
+    # Two implementations (the reference's, for matmul_inputs="bf16", and the model
+    # generator's), ties included.
+    x = np.random.default_rng(6).standard_normal(100_000).astype(np.float32) * 7
+    ties = np.array([1.0 + 2.0**-7 + 2.0**-8, 1.0 + 2.0**-8, -(1.0 + 2.0**-8)], np.float32)
+    for v in (x, ties):
+        want = bf16_bits_to_f32(f32_to_bf16_bits(v)).astype(np.float64)
+        assert np.array_equal(round_bf16(v.astype(np.float64)), want)
+    assert round_bf16(np.array([1.0 + 2.0**-7 + 2.0**-8])).tolist() == [1.0 + 2.0**-6]
 
 
 def test_shards_and_index(tmp_path: Path, models: dict[tuple[str, str], Path]) -> None:

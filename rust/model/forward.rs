@@ -71,11 +71,17 @@ impl Workspace {
             // max_position_embeddings, which can be far beyond memory.
             tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
             slots: Vec::with_capacity(t),
-            matmul: MatmulScratch::new(
-                threads,
-                c.hidden_size.max(c.q_dim()).max(c.intermediate_size),
-                t,
-            ),
+            matmul: {
+                let mut m = MatmulScratch::new(
+                    threads,
+                    c.hidden_size.max(c.q_dim()).max(c.intermediate_size),
+                    t,
+                );
+                if model.bf16_dot {
+                    m.enable_bf16_dot(t);
+                }
+                m
+            },
             attention: AttnScratch::new(t, c.num_heads, c.head_dim, threads),
         }
     }

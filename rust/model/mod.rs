@@ -91,6 +91,9 @@ pub struct Model {
     pub dtype: DType,
     /// Bytes of weight matrices read by one decode step (every matrix once, the embedding row aside).
     pub decode_weight_bytes: usize,
+    /// bf16 matrices take the CPU's bf16 dot products, their input rows rounded to bf16
+    /// (`bf16_dot=True`, where the CPU has them: `kernels::cpu::matmul_bf16dot`).
+    pub bf16_dot: bool,
 }
 
 /// Where a model's files are: a Hugging Face folder (config.json, safetensors, tokenizer.json)
@@ -390,6 +393,7 @@ impl Model {
             rope,
             dtype,
             decode_weight_bytes,
+            bf16_dot: false,
         })
     }
 

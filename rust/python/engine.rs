@@ -352,7 +352,7 @@ impl PyEngine {
     /// the engine); raises ModelLoadError, DeviceUnavailable or InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None, bf16_dot = false))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -374,6 +374,7 @@ impl PyEngine {
         vram_reserve_mib: i64,
         kv_dtype: Option<&Bound<'py, PyAny>>,
         quantize: Option<&Bound<'py, PyAny>>,
+        bf16_dot: bool,
     ) -> PyResult<PyLoadingEngine> {
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
@@ -393,6 +394,7 @@ impl PyEngine {
             kv_memory_mib: usize_arg(kv_memory_mib, "kv_memory_mib")?,
             kv_dtype: kv_dtype.map(|v| args::string("kv_dtype", v)).transpose()?,
             quantize: quantize.map(|v| args::string("quantize", v)).transpose()?,
+            bf16_dot,
             max_context: usize_arg(max_context, "max_context")?,
             cache,
             device_memory_mib: device_memory_mib
@@ -640,6 +642,7 @@ impl PyEngine {
         d.set_item("dtype", i.dtype)?;
         d.set_item("kv_dtype", i.kv_dtype)?;
         d.set_item("quantize", i.quantize)?;
+        d.set_item("matmul_inputs", i.matmul_inputs)?;
         d.set_item("device", &i.device)?;
         let split = PyDict::new(py);
         for (device, layers) in i.devices.iter().zip(&i.layer_split) {

@@ -82,6 +82,8 @@ class CompareSpec:
     disk_dir: Path | None = None
     # strata-rs's quantize= (the peers run the --gguf file, or the folder's bf16 export).
     quantize: str | None = None
+    # strata-rs's bf16_dot= (bf16 weights: the CPU's bf16 dot products on rounded inputs).
+    bf16_dot: bool = False
 
 
 def parse_scenarios(text: str) -> list[str]:
@@ -204,6 +206,7 @@ class _Strata:
             "host_cache_mib": max(16, math.ceil(3 * blocks * block_bytes / 2**20)),
             "disk_cache_mib": max(32, math.ceil(6 * blocks * block_bytes / 2**20)),
             "quantize": s.quantize,
+            "bf16_dot": s.bf16_dot,
         }
 
     async def conversation(
@@ -532,6 +535,7 @@ async def _load_engine(spec: CompareSpec) -> Engine:
         # No disk tier: a run's prompts would be restored by the next run.
         "disk_cache_mib": 0,
         "quantize": spec.quantize,
+        "bf16_dot": spec.bf16_dot,
     }
     engine = await Engine.load(spec.model, **opts)
     info = engine.info

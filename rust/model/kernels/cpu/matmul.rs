@@ -26,6 +26,7 @@
 //!
 //! Explicit AVX-512 / AVX2+FMA kernels with a portable scalar fallback, selected at run time.
 
+use super::matmul_bf16dot::{linear_bf16dot, Bf16Out, Bf16Scratch};
 use super::quant::linear::{
     dequantized_row, linear_quant, linear_quant_group, Layout, QuantMatRef, QuantOut, QuantScratch,
 };
@@ -47,6 +48,9 @@ const TOKEN_BLOCK_BYTES: usize = 1 << 20;
 pub struct MatmulScratch {
     /// The quantized kernels' buffers (activations quantized to 8 bits).
     quant: QuantScratch,
+    /// The activation rows rounded to bf16, for bf16 weights on a CPU with bf16 dot products
+    /// (empty unless enabled).
+    bf16: Bf16Scratch,
     /// One panel of `panel_len` floats (from a 64-byte boundary on) per pool thread.
     panels: Vec<Vec<f32>>,
     panel_len: usize,
@@ -73,6 +77,7 @@ impl MatmulScratch {
         let panel_len = panel_rows.max(1) * max_cols;
         Self {
             quant: QuantScratch::new(threads, max_tokens, max_cols),
+            bf16: Bf16Scratch::disabled(),
             // 15 floats of slack so that each panel can start on a 64-byte boundary.
             panels: (0..threads).map(|_| vec![0.0; panel_len + 15]).collect(),
             panel_len,
@@ -80,10 +85,17 @@ impl MatmulScratch {
         }
     }
 
+    /// bf16 weights take the bf16 dot products from now on (when the CPU has them, see
+    /// [`super::matmul_bf16dot`]; its buffer for `max_tokens` rows is allocated here).
+    pub fn enable_bf16_dot(&mut self, max_tokens: usize) {
+        self.bf16 = Bf16Scratch::new(max_tokens, self.max_cols);
+    }
+
     /// Bytes the panels hold (for the device's memory accounting).
     pub fn bytes(&self) -> usize {
         self.panels.iter().map(|p| p.capacity()).sum::<usize>() * std::mem::size_of::<f32>()
             + self.quant.bytes()
+            + self.bf16.bytes()
     }
 }
 
@@ -114,6 +126,10 @@ pub fn linear(
         linear_quant(x, n, w, bias, y, &mut scratch.quant);
         return;
     }
+    if matches!(w.data, WeightData::Bf16(_)) && scratch.bf16.serves(w.cols) {
+        linear_bf16dot(x, n, &mut [Bf16Out { w, bias, y }], &mut scratch.bf16);
+        return;
+    }
     let isa = Isa::detect(matches!(w.data, WeightData::F16(_)));
     linear_with(isa, x, n, w, bias, y, scratch);
 }
@@ -142,6 +158,15 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
         return;
     }
     let k = outs.first().map_or(0, |o| o.w.cols);
+    if !outs.is_empty()
+        && scratch.bf16.serves(k)
+        && outs
+            .iter()
+            .all(|o| matches!(o.w.data, WeightData::Bf16(_)) && o.w.cols == k)
+    {
+        bf16_group(x, n, outs, &mut scratch.bf16);
+        return;
+    }
     let streamed = n > 0 && n <= SMALL_N_MAX && k > 0 && outs.iter().all(|o| o.w.cols == k);
     if !streamed {
         for o in outs.iter_mut() {
@@ -199,6 +224,24 @@ fn quant_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut QuantS
         [a, b, c, d] => {
             linear_quant_group(x, n, &mut [quant(a), quant(b), quant(c), quant(d)], scratch)
         }
+        _ => unreachable!("linear_group: 1..={GROUP_MAX} products"),
+    }
+}
+
+/// A group of bf16 products, handed to [`linear_bf16dot`] (on the stack, as [`quant_group`]).
+fn bf16_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut Bf16Scratch) {
+    fn out<'w, 'y>(o: &'y mut LinearOut<'w, '_>) -> Bf16Out<'w, 'y> {
+        Bf16Out {
+            w: o.w,
+            bias: o.bias,
+            y: &mut *o.y,
+        }
+    }
+    match outs {
+        [a] => linear_bf16dot(x, n, &mut [out(a)], scratch),
+        [a, b] => linear_bf16dot(x, n, &mut [out(a), out(b)], scratch),
+        [a, b, c] => linear_bf16dot(x, n, &mut [out(a), out(b), out(c)], scratch),
+        [a, b, c, d] => linear_bf16dot(x, n, &mut [out(a), out(b), out(c), out(d)], scratch),
         _ => unreachable!("linear_group: 1..={GROUP_MAX} products"),
     }
 }
@@ -1430,6 +1473,85 @@ mod tests {
             &mut MatmulScratch::with_panel_rows(3, k, 1, 7),
         );
         check(&x, n, w, None, &y2);
+    }
+
+    /// With the bf16 dot products enabled, `linear` and `linear_group` on bf16 weights give
+    /// `linear_bf16dot`'s bits (rounded activations: they differ from the f32 path's); f32
+    /// weights keep the f32 path.
+    #[test]
+    fn enabled_bf16_dot_takes_bf16_weights() {
+        use crate::model::kernels::cpu::matmul_bf16dot::{
+            self, linear_bf16dot, Bf16Out, Bf16Scratch,
+        };
+        if !matmul_bf16dot::available() {
+            return;
+        }
+        let mut rng = Rng(9);
+        let (n, m, k) = (5, 21, 96);
+        let x = rng.vec(n * k);
+        let wf = rng.vec(m * k);
+        let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+        let w = MatRef {
+            data: WeightData::Bf16(&wb),
+            rows: m,
+            cols: k,
+        };
+        let mut want = vec![0f32; n * m];
+        let mut bs = Bf16Scratch::new(n, k);
+        linear_bf16dot(
+            &x,
+            n,
+            &mut [Bf16Out {
+                w,
+                bias: None,
+                y: &mut want,
+            }],
+            &mut bs,
+        );
+        let mut f32_path = vec![0f32; n * m];
+        linear(
+            &x,
+            n,
+            w,
+            None,
+            &mut f32_path,
+            &mut MatmulScratch::new(2, k, n),
+        );
+        assert_ne!(bits(&f32_path), bits(&want), "the two arithmetics differ");
+        let mut scratch = MatmulScratch::new(2, k, n);
+        scratch.enable_bf16_dot(n);
+        let mut y = vec![0f32; n * m];
+        linear(&x, n, w, None, &mut y, &mut scratch);
+        assert_eq!(bits(&y), bits(&want));
+        let (mut y1, mut y2) = (vec![0f32; n * m], vec![0f32; n * m]);
+        linear_group(
+            &x,
+            n,
+            &mut [
+                LinearOut {
+                    w,
+                    bias: None,
+                    y: &mut y1,
+                },
+                LinearOut {
+                    w,
+                    bias: None,
+                    y: &mut y2,
+                },
+            ],
+            &mut scratch,
+        );
+        assert_eq!(bits(&y1), bits(&want));
+        assert_eq!(bits(&y2), bits(&want));
+        let wf32 = MatRef {
+            data: WeightData::F32(&wf),
+            rows: m,
+            cols: k,
+        };
+        let (mut a, mut b) = (vec![0f32; n * m], vec![0f32; n * m]);
+        linear(&x, n, wf32, None, &mut a, &mut scratch);
+        linear(&x, n, wf32, None, &mut b, &mut MatmulScratch::new(2, k, n));
+        assert_eq!(bits(&a), bits(&b));
     }
 
     /// The 16-at-once reduction adds the same lane pairs as the one-accumulator tree.

@@ -8,6 +8,7 @@ pub mod attention;
 pub mod embedding;
 pub mod kv_q8;
 pub mod matmul;
+pub mod matmul_bf16dot;
 pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
