@@ -93,6 +93,28 @@ def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray) -> None:
     assert np.abs(actual - expected).max() <= LOW_PRECISION_REL_TOL * span
 
 
+async def test_bf16_dot_has_its_own_disk_cache(model_dir: MakeModel, tmp_path: Path) -> None:
+    # Its K/V are computed from rounded inputs: a restart that switches bf16_dot on (where the
+    # CPU has the instructions) must not adopt the files of f32 inputs, and one that switches
+    # it back adopts them again.
+    path = model_dir("llama", "bf16")
+    opts: dict[str, Any] = {"device": "cpu", "disk_cache_dir": tmp_path / "kv"}
+    prompt = SEQ[:40]
+    engine = await strata_rs.Engine.load(str(path), **opts)
+    try:
+        await engine.complete(prompt, max_tokens=2, temperature=0, ignore_eos=True)
+    finally:
+        await engine.close()
+    files = list((tmp_path / "kv").glob("*.kvb"))
+    assert files
+    for bf16_dot, adopted in ((True, 0 if cpu_has_bf16_dot() else len(files)), (False, len(files))):
+        engine = await strata_rs.Engine.load(str(path), **opts, bf16_dot=bf16_dot)
+        try:
+            assert engine.stats()["cache"]["adopted_files"] == adopted, bf16_dot
+        finally:
+            await engine.close()
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_logits_match_reference(model_dir: MakeModel, family: str, dtype: str) -> None:

@@ -429,7 +429,14 @@ impl Engine {
         let max_batch_tokens = opts.max_batch_tokens.min(max_context);
         // Every running sequence's decode row must fit in one step.
         let max_batch = opts.max_batch.min(max_batch_tokens);
-        let salt = fingerprint(&source, &config, kv_dtype, quantize, BLOCK_SIZE);
+        let salt = fingerprint(
+            &source,
+            &config,
+            kv_dtype,
+            quantize,
+            model.bf16_dot,
+            BLOCK_SIZE,
+        );
         let layout = BlockLayout {
             salt,
             kv_dtype: kv_dtype.code(),
@@ -868,6 +875,7 @@ fn fingerprint(
     config: &ModelConfig,
     kv_dtype: KvDtype,
     quantize: Option<QuantType>,
+    bf16_dot: bool,
     block_size: usize,
 ) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
@@ -878,6 +886,10 @@ fn fingerprint(
     ];
     if let Some(q) = quantize {
         parts.push(xxh3_64(q.lower_name().as_bytes()));
+    }
+    // Rounded matmul inputs compute other K/V than f32 inputs from the same weights.
+    if bf16_dot {
+        parts.push(xxh3_64(b"bf16_dot"));
     }
     parts.push(config.vocab_size as u64);
     if let ModelSource::Folder(dir) = source {
