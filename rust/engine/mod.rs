@@ -125,8 +125,9 @@ pub struct EngineInfo {
     pub kv_dtype: &'static str,
     /// The type the weights were quantized to at load (`quantize`), if they were.
     pub quantize: Option<&'static str>,
-    /// What the weight matmuls round their input rows to: "f32" (not rounded), "bf16" (bf16
-    /// weights on a CPU with bf16 dot products) or "int8" (quantized weights).
+    /// What the matmuls of the model's dtype (the one holding the most bytes) round their input
+    /// rows to: "f32" (not rounded), "bf16" (bf16 weights with `bf16_dot` on a CPU with bf16
+    /// dot products) or "int8" (quantized weights).
     pub matmul_inputs: &'static str,
     pub device: String,
     pub threads: usize,
@@ -355,8 +356,11 @@ impl Engine {
             let n = model.interleave_for_cpu();
             log::info!("{n} Q4_K/Q6_K matrices interleaved for the AVX-512 kernels");
         }
-        model.bf16_dot =
-            opts.bf16_dot && !matches!(opts.device, Device::Cuda(_)) && matmul_bf16dot::available();
+        // Only where it changes something (the fingerprint keys the disk cache on it).
+        model.bf16_dot = opts.bf16_dot
+            && !matches!(opts.device, Device::Cuda(_))
+            && matmul_bf16dot::available()
+            && model.has_bf16_matrix();
         let config = model.config.clone();
         let layer_split = match &opts.layer_split {
             Some(spec) => split::parse_layer_split(spec, &devices, config.num_layers)?,

@@ -443,11 +443,23 @@ impl Model {
         Ok(fell_back)
     }
 
+    /// Whether any matrix (or the head) is bf16: what `bf16_dot` changes.
+    pub fn has_bf16_matrix(&self) -> bool {
+        let bf16 = |t: &Tensor| t.dtype == DType::Bf16;
+        bf16(&self.lm_head)
+            || self
+                .layers
+                .iter()
+                .any(|l| l.matrices().into_iter().any(bf16))
+    }
+
     /// Interleaves the Q4_K and Q6_K matrices for the CPU's AVX-512 kernels
     /// ([`kernels::cpu::quant::interleave`]): the layer matrices and the head. A tied embedding
     /// becomes the interleaved head (a lookup reads its row block by block), so the bytes stay
     /// counted once. Returns how many matrices changed.
     pub fn interleave_for_cpu(&mut self) -> usize {
+        // (The map's pages the copies were read from stay page cache: clean, file-backed, the
+        // first memory the OS takes back.)
         let tied = std::ptr::eq(self.lm_head.bytes().as_ptr(), self.embed.bytes().as_ptr());
         let mut changed = 0;
         for layer in &mut self.layers {
@@ -473,8 +485,9 @@ impl Model {
     /// Bytes of the tensors as loaded, for the device's memory accounting: the matrices (and the
     /// embedding) at their size in the file, since they are views into the memory-mapped
     /// safetensors files (file-backed pages; an unaligned one is an owned copy of the same size),
-    /// plus the 1-D tensors (norms, biases) as the owned f32 copies made at load, and matrices
-    /// quantized at load at their quantized size. A tied head is the embedding itself and counts
+    /// plus the 1-D tensors (norms, biases) as the owned f32 copies made at load, matrices
+    /// quantized at load at their quantized size, and interleaved ones as their owned copies
+    /// (rows padded to whole groups of 16). A tied head is the embedding itself and counts
     /// once (a tied head quantized at load is a tensor of its own). The RoPE table is not a tensor of the file: it is
     /// the workspace's (see `ModelRunner::new`).
     pub fn weight_bytes(&self) -> usize {

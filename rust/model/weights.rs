@@ -159,6 +159,11 @@ impl Tensor {
         }
     }
 
+    /// Whether the blocks are in the interleaved layout (only the CPU's kernels read it).
+    pub fn is_interleaved(&self) -> bool {
+        self.interleaved
+    }
+
     pub fn byte_len(&self) -> usize {
         self.len
     }
@@ -252,7 +257,7 @@ impl Tensor {
         let (DType::Quant(ty), &[rows, cols]) = (self.dtype, &self.shape[..]) else {
             return None;
         };
-        if self.interleaved || !supported(ty) {
+        if self.interleaved || !supported(ty) || rows * cols == 0 {
             return None;
         }
         let len = interleaved_len(ty, rows, cols)?;

@@ -24,6 +24,11 @@ fn matrix(
     t: &Tensor,
     what: &str,
 ) -> Result<DeviceMatrix, CudaKernelError> {
+    // The engine interleaves for the CPU only; the device kernels read ggml's rows.
+    assert!(
+        !t.is_interleaved(),
+        "{what}: interleaved blocks reached the GPU upload"
+    );
     let data = stream
         .clone_htod(t.bytes())
         .map_err(upload_error(format!("copying {what} to the device")))?;

@@ -27,7 +27,11 @@ use std::arch::x86_64::*;
 /// # Safety
 /// As `linear::rows_dispatch` (the CPU has AVX-512 F/BW/VL/VNNI); `w` is interleaved.
 pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
-    debug_assert!(r0.is_multiple_of(GROUP));
+    // A group starting elsewhere would read past the (padded) data: a caller bug, checked.
+    assert!(
+        r0.is_multiple_of(GROUP),
+        "interleaved rows start at a group"
+    );
     match w.ty {
         QuantType::Q4_K => drive::<true>(w, r0, r1, act, out),
         QuantType::Q6_K => drive::<false>(w, r0, r1, act, out),

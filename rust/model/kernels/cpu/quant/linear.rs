@@ -379,7 +379,7 @@ impl Out<'_> {
     }
 }
 
-/// Rows `r0..r1` of `w` for all `act.n` tokens.
+/// Rows `r0..r1` of `w` for all `act.n` tokens (an interleaved `w`: `r0` a multiple of 16).
 ///
 /// # Safety
 /// Rows `r0..r1` of every token's output lie inside `out` and belong to the caller; the CPU
