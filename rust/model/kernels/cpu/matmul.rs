@@ -30,6 +30,7 @@ use super::matmul_bf16dot::{linear_bf16dot, Bf16Out, Bf16Scratch};
 use super::quant::linear::{
     dequantized_row, linear_quant, linear_quant_group, Layout, QuantMatRef, QuantOut, QuantScratch,
 };
+use super::SendPtr;
 use super::{MatRef, WeightData};
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -320,19 +321,6 @@ fn linear_with(
         linear_panels(isa, x, n, w, bias, y, scratch);
     } else {
         linear_stream(isa, x, n, w, bias, y);
-    }
-}
-
-/// Raw output pointer shared by tasks that write disjoint elements of `y`.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of indices (its own output rows of W).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    // A method (not field access) so closures capture the whole Send wrapper.
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 

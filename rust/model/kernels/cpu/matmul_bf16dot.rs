@@ -18,6 +18,7 @@
 //! [`super::matmul`] (this path's bits are its own: a CPU without the instructions computes in
 //! f32).
 
+use super::SendPtr;
 use super::{MatRef, WeightData};
 use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
@@ -80,18 +81,6 @@ pub struct Bf16Out<'w, 'y> {
     pub w: MatRef<'w>,
     pub bias: Option<&'w [f32]>,
     pub y: &'y mut [f32],
-}
-
-/// Raw output pointer shared by tasks that write disjoint elements.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of indices (its own output rows).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// Most products in one call.

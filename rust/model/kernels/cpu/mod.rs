@@ -18,6 +18,20 @@ mod test_rng;
 
 use half::{bf16, f16};
 
+/// Raw output pointer shared by the parallel tasks of one kernel call, each writing a disjoint
+/// set of its elements (its own output rows).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: the kernels that share one hand each task a disjoint set of indices.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    // A method (not field access) so closures capture the whole Send wrapper.
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// The elements of a weight tensor, in the dtype they were stored in.
 #[derive(Clone, Copy, Debug)]
 pub enum WeightData<'a> {

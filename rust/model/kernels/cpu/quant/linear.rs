@@ -27,6 +27,7 @@
 
 use super::activation::{Act, ActBuf, ActFormat};
 use super::{unpack, QuantType, Unpacked};
+use crate::model::kernels::cpu::SendPtr;
 use rayon::prelude::*;
 
 /// A `[rows, cols]` quantized weight matrix: `rows` rows of `ty.row_bytes(cols)`, in ggml's
@@ -272,19 +273,6 @@ fn format_of(ty: QuantType) -> ActFormat {
         ActFormat::K256
     } else {
         ActFormat::B32
-    }
-}
-
-/// Raw output pointer shared by tasks that write disjoint elements of `y`.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: every task writes a disjoint set of indices (its own output rows of W).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    // A method (not field access) so closures capture the whole Send wrapper.
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 
