@@ -860,26 +860,17 @@ struct Geom {
 /// A layer's K/V as the kernel reads it: tiles of keys and rows of values widened to f32 (in
 /// the same values whatever the ISA `W`).
 trait KvSource: Copy + Send + Sync {
-    /// The element type of [`KvSource::tile_at`]'s addresses.
-    type Elem: KvElem;
-
-    /// Whether tiles can be read in place ([`KvSource::tile_at`]): the stored elements widen to
-    /// f32 on their own (f32, f16, bf16), unlike q8_0's, which need their scales.
-    const IN_PLACE: bool;
+    /// How [`row_avx512`] reads a tile in place.
+    #[cfg(target_arch = "x86_64")]
+    type Tile: row_avx512::TileRead;
 
     /// Where keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, and their
-    /// value rows lie, for sources that are [`KvSource::IN_PLACE`].
+    /// value rows lie, for a row read in place.
     ///
     /// # Safety
     /// The block lies in the cache.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_at(
-        &self,
-        geo: Geom,
-        block: usize,
-        r0: usize,
-        g: usize,
-    ) -> row_avx512::TileAt<Self::Elem>;
+    unsafe fn tile_at(&self, geo: Geom, block: usize, r0: usize, g: usize) -> Self::Tile;
 
     /// Keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, into `kt`
     /// transposed: `kt[d * LANES + lane]`.
@@ -909,18 +900,12 @@ struct Elems<'a, E> {
 }
 
 impl<E: KvElem> KvSource for Elems<'_, E> {
-    type Elem = E;
-    const IN_PLACE: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    type Tile = row_avx512::TileAt<E>;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn tile_at(
-        &self,
-        geo: Geom,
-        block: usize,
-        r0: usize,
-        g: usize,
-    ) -> row_avx512::TileAt<E> {
+    unsafe fn tile_at(&self, geo: Geom, block: usize, r0: usize, g: usize) -> Self::Tile {
         let Geom { bs, kvh, hd } = geo;
         let slot = block * bs + r0;
         row_avx512::TileAt {
@@ -971,13 +956,26 @@ struct Q8<'a> {
 }
 
 impl KvSource for Q8<'_> {
-    // Never read in place: the tiles are widened with their scales (k_tile, v_row).
-    type Elem = f32;
-    const IN_PLACE: bool = false;
+    #[cfg(target_arch = "x86_64")]
+    type Tile = row_avx512::Q8TileAt;
 
     #[cfg(target_arch = "x86_64")]
-    unsafe fn tile_at(&self, _: Geom, _: usize, _: usize, _: usize) -> row_avx512::TileAt<f32> {
-        unreachable!("q8_0 K/V is not read in place")
+    #[inline(always)]
+    unsafe fn tile_at(&self, geo: Geom, block: usize, r0: usize, g: usize) -> Self::Tile {
+        let Geom { bs, kvh, hd } = geo;
+        // The (block, head) chunk: q `[hd][bs]`, then scales `[groups][bs]`.
+        let chunk = self.k.as_ptr().add(kv_q8::k_chunk(block, g, bs, kvh, hd));
+        row_avx512::Q8TileAt {
+            k_q: chunk.add(r0).cast(),
+            k_stride: bs,
+            k_scales: chunk.add(hd * bs + 2 * r0),
+            scale_stride: 2 * bs,
+            v: self
+                .v
+                .as_ptr()
+                .add(kv_q8::v_row_at(block * bs + r0, g, kvh, hd)),
+            v_stride: kvh * kv_q8::row_bytes(hd),
+        }
     }
 
     #[inline(always)]
@@ -1233,7 +1231,7 @@ fn segment_pass<W: Widen, S: KvSource>(
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     #[cfg(target_arch = "x86_64")]
-    if W::QUERY_LANES == LANES && S::IN_PLACE && qt.is_none() && bs.is_multiple_of(LANES) {
+    if W::QUERY_LANES == LANES && qt.is_none() && bs.is_multiple_of(LANES) {
         // One row on AVX-512 (two or more take the lanes path with `qt`): read in place.
         debug_assert_eq!(parts.len(), 1);
         if parts[0].0 <= parts[0].1 {
@@ -1341,7 +1339,7 @@ fn segment_pass<W: Widen, S: KvSource>(
 /// prefetched into L2.
 ///
 /// # Safety
-/// AVX-512F/BW/VL, F16C and FMA; `S::IN_PLACE`, `bs % LANES == 0`; the part's keys are visible
+/// AVX-512F/BW/VL, F16C and FMA; `bs % LANES == 0`; the part's keys are visible
 /// to the row; `acc` holds `group * hd` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
@@ -1353,7 +1351,7 @@ unsafe fn row_in_place<S: KvSource>(
     acc: &mut [f32],
     st: &mut State,
 ) {
-    use row_avx512::{prefetch_tile, tile_step_in_place as step};
+    use row_avx512::{tile_step_in_place as step, TileRead};
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     let geo = Geom { bs, kvh, hd };
     let table = c.table(t);
@@ -1365,17 +1363,17 @@ unsafe fn row_in_place<S: KvSource>(
     while t0 <= hi {
         let ahead = t0 + PREFETCH_TILES * LANES;
         if ahead <= last {
-            prefetch_tile(at(ahead), hd);
+            at(ahead).prefetch(hd);
         }
         let tile = at(t0);
         let lanes = (lo.max(t0) - t0, hi.min(t0 + LANES - 1) - t0);
         let mut h = 0;
         while h < group {
             h += match group - h {
-                1 => step::<S::Elem, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
-                2 => step::<S::Elem, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
-                3 => step::<S::Elem, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
-                _ => step::<S::Elem, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
+                1 => step::<S::Tile, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
+                2 => step::<S::Tile, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
+                3 => step::<S::Tile, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
+                _ => step::<S::Tile, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
             };
         }
         t0 += LANES;

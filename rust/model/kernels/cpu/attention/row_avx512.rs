@@ -4,7 +4,8 @@
 //! [`super::tile_step`] takes a tile widened to f32 into a buffer, which pays for itself when
 //! many rows share the tile (prefill row blocks). A decode row uses each tile once, so the
 //! widening's stores and reloads were a third of its time; here each vector of 16 keys' element
-//! `d`, and each value row, is loaded and widened straight into the arithmetic. The arithmetic
+//! `d`, and each value row, is loaded and widened straight into the arithmetic (a q8_0 tile's
+//! int8s times their f16 scales, the product `kv_q8` defines and the widening path stores). The arithmetic
 //! is `tile_step`'s operation for operation: the same four FMA chains over the head's elements,
 //! the same [`super::tree16`] orders (done across the vector's halves), the same rescale and
 //! `p · V` in key order, `fast_exp_avx512` being `fast_exp`. So the bits are those of the
@@ -13,6 +14,7 @@
 use std::arch::x86_64::*;
 
 use super::{mask16, raise_max, ElemKind, KvElem, State, LANES, V_CHUNK};
+use crate::model::kernels::cpu::kv_q8::QK;
 use crate::model::kernels::cpu::swiglu::fast_exp_avx512;
 
 /// 16 elements at `src` as f32 (exact).
@@ -71,14 +73,161 @@ unsafe fn tree16_sum(x: __m512) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)))
 }
 
-/// Where one tile of one K/V head lies in the cache: element `d` of its 16 keys at `k + d *
-/// k_stride` (contiguous), the value row of its key `l` at `v + l * v_stride`.
+/// One tile of one K/V head as the in-place kernel reads it: 16 keys' element `d` and a value
+/// row's 16 elements, widened to f32 with the values the widening path stores.
+pub(super) trait TileRead: Copy {
+    /// Whether K elements carry a scale per group of [`QK`] elements ([`TileRead::k_scales`]).
+    const SCALED: bool;
+
+    /// Element `d` of the tile's 16 keys as f32, `scales` being [`TileRead::k_scales`] of its
+    /// group when [`TileRead::SCALED`] (ignored otherwise).
+    ///
+    /// # Safety
+    /// AVX-512F/BW/VL and F16C; `d < hd`; the tile lies in the cache.
+    unsafe fn k16(self, d: usize, scales: __m512) -> __m512;
+
+    /// The 16 keys' scales of group `j` (only called when [`TileRead::SCALED`]).
+    ///
+    /// # Safety
+    /// As [`TileRead::k16`], for a group of the head.
+    unsafe fn k_scales(self, j: usize) -> __m512;
+
+    /// Elements `off..off + 16` of key `l`'s value row as f32, those outside `m` zero; `off` is
+    /// a multiple of 16.
+    ///
+    /// # Safety
+    /// As [`TileRead::k16`]; the elements of `m` lie in the head's row.
+    unsafe fn v16(self, l: usize, off: usize, m: __mmask16) -> __m512;
+
+    /// Brings the tile (its K, the 16 value rows) into L2 ahead of its use: the tiles of a
+    /// segment lie in blocks scattered over the pool, which the hardware prefetcher does not
+    /// follow across.
+    ///
+    /// # Safety
+    /// None beyond the addresses being computed in bounds (prefetches never fault).
+    unsafe fn prefetch(self, hd: usize);
+}
+
+/// Where one tile of one K/V head of f32, f16 or bf16 lies in the cache: element `d` of its 16
+/// keys at `k + d * k_stride` (contiguous), the value row of its key `l` at `v + l * v_stride`.
 #[derive(Clone, Copy)]
 pub(super) struct TileAt<E> {
     pub k: *const E,
     pub k_stride: usize,
     pub v: *const E,
     pub v_stride: usize,
+}
+
+impl<E: KvElem> TileRead for TileAt<E> {
+    const SCALED: bool = false;
+
+    #[inline(always)]
+    unsafe fn k16(self, d: usize, _: __m512) -> __m512 {
+        load16(self.k.add(d * self.k_stride))
+    }
+
+    #[inline(always)]
+    unsafe fn k_scales(self, _: usize) -> __m512 {
+        _mm512_setzero_ps()
+    }
+
+    #[inline(always)]
+    unsafe fn v16(self, l: usize, off: usize, m: __mmask16) -> __m512 {
+        let src = self.v.add(l * self.v_stride + off);
+        if m == 0xffff {
+            load16(src)
+        } else {
+            load16_masked(src, m)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn prefetch(self, hd: usize) {
+        let size = std::mem::size_of::<E>();
+        // K: one 16-key vector per element d; a line holds 64 / (16 * size) of them when
+        // contiguous.
+        let step = if self.k_stride == LANES {
+            (64 / (LANES * size)).max(1)
+        } else {
+            1
+        };
+        let mut d = 0;
+        while d < hd {
+            _mm_prefetch::<_MM_HINT_T1>(self.k.add(d * self.k_stride).cast());
+            d += step;
+        }
+        prefetch_rows(self.v.cast(), self.v_stride * size, hd * size);
+    }
+}
+
+/// Where one tile of one K/V head of q8_0 lies in the cache (`kv_q8`'s layouts): the int8s of
+/// its 16 keys' element `d` at `k_q + d * k_stride`, the f16 scales of their group `j` at byte
+/// `k_scales + j * scale_stride`, the value row of key `l` (ggml's `[scale][32 x int8]` groups)
+/// at byte `v + l * v_stride`.
+#[derive(Clone, Copy)]
+pub(super) struct Q8TileAt {
+    pub k_q: *const i8,
+    pub k_stride: usize,
+    pub k_scales: *const u8,
+    pub scale_stride: usize,
+    pub v: *const u8,
+    pub v_stride: usize,
+}
+
+impl TileRead for Q8TileAt {
+    const SCALED: bool = true;
+
+    #[inline(always)]
+    unsafe fn k16(self, d: usize, scales: __m512) -> __m512 {
+        let q = _mm_loadu_si128(self.k_q.add(d * self.k_stride).cast());
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scales)
+    }
+
+    #[inline(always)]
+    unsafe fn k_scales(self, j: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(
+            self.k_scales.add(j * self.scale_stride).cast(),
+        ))
+    }
+
+    #[inline(always)]
+    unsafe fn v16(self, l: usize, off: usize, m: __mmask16) -> __m512 {
+        // `off` is a multiple of 16, so the 16 elements lie in one group of 32.
+        let group = self.v.add(l * self.v_stride + off / QK * (QK + 2));
+        let q = _mm_maskz_loadu_epi8(m, group.add(2 + off % QK).cast());
+        let bits = group.cast::<i16>().read_unaligned();
+        let scale = _mm512_cvtph_ps(_mm256_set1_epi16(bits));
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale)
+    }
+
+    #[inline(always)]
+    unsafe fn prefetch(self, hd: usize) {
+        // K: 16 int8s per element d (4 vectors to a line), then 32 bytes of scales per group.
+        let mut d = 0;
+        while d < hd {
+            _mm_prefetch::<_MM_HINT_T1>(self.k_q.add(d * self.k_stride).cast());
+            d += if self.k_stride == LANES { 4 } else { 1 };
+        }
+        let mut j = 0;
+        while j * QK < hd {
+            _mm_prefetch::<_MM_HINT_T1>(self.k_scales.add(j * self.scale_stride).cast());
+            j += 1;
+        }
+        prefetch_rows(self.v.cast(), self.v_stride, hd + 2 * hd.div_ceil(QK));
+    }
+}
+
+/// Prefetches 16 rows of `row_bytes` bytes, `stride` bytes apart from `at`, into L2.
+#[inline(always)]
+unsafe fn prefetch_rows(at: *const i8, stride: usize, row_bytes: usize) {
+    for l in 0..LANES {
+        let row = at.add(l * stride);
+        let mut o = 0;
+        while o < row_bytes {
+            _mm_prefetch::<_MM_HINT_T1>(row.add(o));
+            o += 64;
+        }
+    }
 }
 
 /// One tile for query heads `h0..h0 + N` of one row (`q` holds the row's group of heads): what
@@ -90,11 +239,11 @@ pub(super) struct TileAt<E> {
 /// the group's `hd`-float accumulators.
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline(always)]
-pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
+pub(super) unsafe fn tile_step_in_place<T: TileRead, const N: usize>(
     q: &[f32],
     h0: usize,
     hd: usize,
-    at: TileAt<E>,
+    at: T,
     lanes: (usize, usize),
     scale: f32,
     acc: &mut [f32],
@@ -110,10 +259,16 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
     let mut c = [[zero; 4]; N];
     let qp = q.as_ptr();
     let body = hd - hd % 4;
+    // A q8_0 tile's scales of the current group (QK is a multiple of 4, so a group starts at a
+    // step of the loops below).
+    let mut scales = zero;
     let mut d = 0;
     while d < body {
+        if T::SCALED && d % QK == 0 {
+            scales = at.k_scales(d / QK);
+        }
         for j in 0..4 {
-            let k = load16(at.k.add((d + j) * at.k_stride));
+            let k = at.k16(d + j, scales);
             for h in 0..N {
                 let x = _mm512_set1_ps(*qp.add(h * hd + d + j));
                 c[h][j] = _mm512_fmadd_ps(x, k, c[h][j]);
@@ -122,7 +277,10 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
         d += 4;
     }
     for d in body..hd {
-        let k = load16(at.k.add(d * at.k_stride));
+        if T::SCALED && d % QK == 0 {
+            scales = at.k_scales(d / QK);
+        }
+        let k = at.k16(d, scales);
         for h in 0..N {
             let x = _mm512_set1_ps(*qp.add(h * hd + d));
             c[h][d % 4] = _mm512_fmadd_ps(x, k, c[h][d % 4]);
@@ -167,14 +325,9 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
             }
         }
         for l in a..=b {
-            let row = at.v.add(l * at.v_stride + d0);
             let mut vr = [zero; V_CHUNK / LANES];
             for x in 0..nv {
-                vr[x] = if masks[x] == 0xffff {
-                    load16(row.add(x * LANES))
-                } else {
-                    load16_masked(row.add(x * LANES), masks[x])
-                };
+                vr[x] = at.v16(l, d0 + x * LANES, masks[x]);
             }
             for h in 0..N {
                 let ph = _mm512_set1_ps(p[h][l]);
@@ -191,35 +344,4 @@ pub(super) unsafe fn tile_step_in_place<E: KvElem, const N: usize>(
         d0 += w;
     }
     N
-}
-
-/// Brings the tile at `at` (K: `hd` vectors of 16 keys; V: 16 rows) into L2 ahead of
-/// its use: the tiles of a segment lie in blocks scattered over the pool, which the hardware
-/// prefetcher does not follow across.
-///
-/// # Safety
-/// None beyond `at`'s addresses being computed in bounds (prefetches never fault).
-#[inline(always)]
-pub(super) unsafe fn prefetch_tile<E: KvElem>(at: TileAt<E>, hd: usize) {
-    let size = std::mem::size_of::<E>();
-    let k_bytes = LANES * size;
-    // K: one 16-key vector per element d; a line holds 64 / k_bytes of them when contiguous.
-    let mut d = 0;
-    while d < hd {
-        _mm_prefetch::<_MM_HINT_T1>(at.k.add(d * at.k_stride).cast());
-        d += if at.k_stride == LANES {
-            (64 / k_bytes).max(1)
-        } else {
-            1
-        };
-    }
-    let v_bytes = hd * size;
-    for l in 0..LANES {
-        let row = at.v.add(l * at.v_stride).cast::<i8>();
-        let mut o = 0;
-        while o < v_bytes {
-            _mm_prefetch::<_MM_HINT_T1>(row.add(o));
-            o += 64;
-        }
-    }
 }
