@@ -124,14 +124,55 @@ def inv_freq(config: Mapping[str, Any], head_dim: int) -> np.ndarray:
         smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return np.where(medium, smoothed, scaled)
+    if rope_type == "yarn":
+        # YaRN (arXiv 2309.00071, as transformers reads it): dimensions whose frequency turns
+        # more than beta_fast times over the original context keep it, those that turn fewer
+        # than beta_slow times are divided by factor, a linear ramp between.
+        orig = float(
+            scaling.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        )
+        beta_fast = float(scaling.get("beta_fast") or 32.0)
+        beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+        def dim_turning(turns: float) -> float:
+            # Solves orig * theta ** (-d / head_dim) == turns * 2 pi for d.
+            return head_dim * math.log(orig / (turns * 2.0 * math.pi)) / (2.0 * math.log(theta))
+
+        low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0.0), min(high, head_dim - 1.0)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+        return base / factor * ramp + base * (1.0 - ramp)
     raise NotImplementedError(f"rope_type {rope_type!r} is not in the reference")
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, freqs: np.ndarray) -> np.ndarray:
-    """rotate_half convention; x is [heads, n, head_dim]."""
+def rope_attention_factor(config: Mapping[str, Any]) -> float:
+    """What cos and sin are multiplied by: YaRN's attention scaling, else 1."""
+    _, scaling = _rope_params(config)
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale(1.0)
+
+
+def apply_rope(
+    x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, scale: float = 1.0
+) -> np.ndarray:
+    """rotate_half convention; x is [heads, n, head_dim]; cos and sin times `scale`."""
     angles = positions[:, None].astype(np.float64) * freqs[None, :]
     emb = np.concatenate([angles, angles], axis=-1)
-    cos, sin = np.cos(emb), np.sin(emb)
+    cos, sin = np.cos(emb) * scale, np.sin(emb) * scale
     half = x.shape[-1] // 2
     rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -283,6 +324,17 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
             "rope_type": "linear",
             "factor": float(field(f"{arch}.rope.scaling.factor")),
         }
+    if field(f"{arch}.rope.scaling.type") == "yarn":
+        config["max_position_embeddings"] = int(field(f"{arch}.context_length"))
+        config["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": float(field(f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": field(
+                f"{arch}.rope.scaling.original_context_length"
+            ),
+            "beta_fast": field(f"{arch}.rope.scaling.yarn_beta_fast"),
+            "beta_slow": field(f"{arch}.rope.scaling.yarn_beta_slow"),
+        }
     freqs = None
     factors = raw.pop("rope_freqs.weight", None)
     if factors is not None:
@@ -333,6 +385,7 @@ def forward(
     group = n_heads // n_kv
     if freqs is None:
         freqs = inv_freq(config, head_dim)
+    rope_scale = rope_attention_factor(config)
 
     ids = np.asarray(token_ids, dtype=np.int64)
     n = len(ids)
@@ -352,8 +405,8 @@ def forward(
             # Qwen3 normalizes each head's q and k before RoPE.
             q = rms_norm(q, w(p + "self_attn.q_norm.weight"), eps)
             k = rms_norm(k, w(p + "self_attn.k_norm.weight"), eps)
-        q = apply_rope(q, positions, freqs)
-        k = apply_rope(k, positions, freqs)
+        q = apply_rope(q, positions, freqs, rope_scale)
+        k = apply_rope(k, positions, freqs, rope_scale)
         # GQA: query head hq reads kv head hq // group.
         k = np.repeat(k, group, axis=0)
         v = np.repeat(v, group, axis=0)

@@ -111,6 +111,27 @@ async def test_the_engine_reports_the_file(exported: Callable[[str, str], Path])
         await engine.close()
 
 
+async def test_yarn_from_the_file(tmp_path: Path) -> None:
+    """A qwen2 file with YaRN keys (as llama.cpp's converter writes Qwen2.5's): the scaling comes
+    from the metadata, and positions past the original context match the reference."""
+    from strata_rs.testing.models import make_model
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 8}
+    folder = make_model(tmp_path / "qwen2", "qwen2", "tiny", "f32", 0, **SHAPE, rope_scaling=yarn)
+    path = export_gguf(folder, tmp_path / "qwen2-yarn.gguf", "q8_0")
+    engine = await strata_rs.Engine.load(str(path))
+    try:
+        assert engine.info["max_context"] == 256
+        got = await engine.logits(SEQ[:256])
+    finally:
+        await engine.close()
+    check_quantized_logits(got, reference_logits(path, SEQ[:256]), "qwen2 q8_0 yarn")
+    # The same file without its scaling answers differently: the test reads the keys.
+    same = make_model(tmp_path / "plain", "qwen2", "tiny", "f32", 0, **SHAPE)
+    plain = export_gguf(same, tmp_path / "qwen2-plain.gguf", "q8_0")
+    assert not np.allclose(await engine_logits(plain, SEQ[:256]), got, atol=1e-3)
+
+
 @pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0"])
 async def test_files_from_llama_cpps_quantizer(
     exported: Callable[[str, str], Path], tmp_path: Path, ftype: str

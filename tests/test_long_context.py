@@ -72,6 +72,56 @@ async def test_logits_past_16k_match_the_reference(model: Callable[[int], Path])
         assert (g.argmax(axis=-1) == w.argmax(axis=-1)).all()
 
 
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        # Qwen2.5's form: the original context named, the default betas and attention factor.
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024},
+        # Every field given (the original context is then the config's 1,024).
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "attention_factor": 1.3,
+            "truncate": False,
+        },
+    ],
+)
+async def test_yarn_logits_past_the_original_context_match_the_reference(
+    tmp_path: Path, rope_scaling: dict[str, Any]
+) -> None:
+    from strata_rs.testing.models import make_model
+
+    path = make_model(
+        tmp_path,
+        "qwen2",
+        max_position_embeddings=1024,
+        rope_scaling=rope_scaling,
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    n = 4096
+    ids = np.random.default_rng(17).integers(0, 512, n).tolist()
+    engine = await Engine.load(path)
+    try:
+        # YaRN stretches the original context by its factor: that is the model's context.
+        assert engine.info["max_context"] == 1024 * int(rope_scaling["factor"])
+        got = await engine.logits(ids)
+    finally:
+        await engine.close()
+    want = reference_logits(path, ids)
+    for lo in (0, 1024):
+        g, w = got[lo:].astype(np.float64), want[lo:]
+        span = float(w.max() - w.min())
+        worst = float(np.abs(g - w).max())
+        assert worst <= F32_REL_TOL * span, f"from {lo}: max diff {worst:.2e} of range {span:.2f}"
+        assert (g.argmax(axis=-1) == w.argmax(axis=-1)).all()
+
+
 async def answer(engine: Engine, prompt: list[int]) -> Any:
     return await engine.complete(prompt, max_tokens=GEN, temperature=0, ignore_eos=True)
 

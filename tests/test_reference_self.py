@@ -6,6 +6,7 @@ These need neither the Rust extension nor a GPU.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from reference import (
     read_safetensors,
     read_safetensors_header,
     reference_logits,
+    rope_attention_factor,
     round_bf16,
 )
 from strata_rs.testing.models import (
@@ -333,6 +335,25 @@ def test_rope_scaling_frequencies() -> None:
     # transformers 5 style: theta inside rope_parameters.
     v5 = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
     np.testing.assert_allclose(inv_freq(v5, 16), 1.0 / 500.0 ** (np.arange(0, 16, 2) / 16))
+
+
+def test_yarn_frequencies() -> None:
+    # Qwen2.5's long-context setting (head_dim 128, theta 1e6, 32K stretched 4 times): the
+    # frequency that turns 32 times over 32K positions is dimension 23.6 (kept through index 23),
+    # the one that turns once is 39.65 (divided by 4 from index 40), linear between.
+    cfg = {
+        "rope_theta": 1e6,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    }
+    base = 1.0 / 1e6 ** (np.arange(0, 128, 2) / 128)
+    f = inv_freq(cfg, 128)
+    np.testing.assert_array_equal(f[:24], base[:24])
+    np.testing.assert_allclose(f[40:], base[40:] / 4, rtol=1e-15)
+    ramp = (31 - 23) / (40 - 23)
+    assert f[31] == pytest.approx(base[31] * (1 - ramp) + base[31] / 4 * ramp, rel=1e-15)
+    assert rope_attention_factor(cfg) == pytest.approx(1 + 0.1 * math.log(4))
+    assert rope_attention_factor(build_config("llama", "tiny")) == 1.0
 
 
 def test_rope_is_relative() -> None:

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 
 use crate::error::{Result, StrataError};
-use crate::model::kernels::cpu::rope::{RopePairing, RopeScaling};
+use crate::model::kernels::cpu::rope::{yarn_mscale, RopePairing, RopeScaling};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -41,6 +41,8 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// Which dimensions of q and k rotate together (GGUF llama files store adjacent pairs).
     pub rope_pairing: RopePairing,
+    /// The longest context the model serves by default: the config's, or with YaRN the
+    /// original context times the factor.
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     /// q/k/v projections carry biases (always for qwen2; `attention_bias` for llama/mistral).
@@ -221,13 +223,29 @@ impl ModelConfig {
         if rope_theta <= 0.0 {
             return Err(f.err("rope_theta", "must be > 0"));
         }
+        let max_position_embeddings = match f.usize_opt("max_position_embeddings")? {
+            Some(0) => return Err(f.err("max_position_embeddings", "must be > 0")),
+            Some(n) => n,
+            None => 2048,
+        };
         let rope_scaling = match f.opt("rope_scaling") {
-            Some(Value::Object(m)) => parse_rope_scaling(&f, "rope_scaling", m)?,
+            Some(Value::Object(m)) => {
+                parse_rope_scaling(&f, "rope_scaling", m, max_position_embeddings)?
+            }
             Some(_) => return Err(f.err("rope_scaling", "expected an object or null")),
             None => match rope_params {
-                Some(m) => parse_rope_scaling(&f, "rope_parameters", m)?,
+                Some(m) => parse_rope_scaling(&f, "rope_parameters", m, max_position_embeddings)?,
                 None => RopeScaling::None,
             },
+        };
+        // A YaRN config stretches its original context by the factor (what vLLM serves too).
+        let max_position_embeddings = match rope_scaling {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: orig,
+                ..
+            } => (orig * factor).round() as usize,
+            _ => max_position_embeddings,
         };
 
         let explicit_bias = f.bool_opt("attention_bias")?;
@@ -295,11 +313,7 @@ impl ModelConfig {
             rope_theta,
             rope_scaling,
             rope_pairing: RopePairing::Half,
-            max_position_embeddings: match f.usize_opt("max_position_embeddings")? {
-                Some(0) => return Err(f.err("max_position_embeddings", "must be > 0")),
-                Some(n) => n,
-                None => 2048,
-            },
+            max_position_embeddings,
             tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
             o_bias,
@@ -323,7 +337,14 @@ impl ModelConfig {
     }
 }
 
-fn parse_rope_scaling(f: &Fields, field: &str, m: &Map<String, Value>) -> Result<RopeScaling> {
+/// The scaling of `m` (the config's `field`); `max_positions` is the config's
+/// `max_position_embeddings`, YaRN's original context when the scaling does not name one.
+fn parse_rope_scaling(
+    f: &Fields,
+    field: &str,
+    m: &Map<String, Value>,
+    max_positions: usize,
+) -> Result<RopeScaling> {
     // transformers writes the kind as "rope_type"; older configs use "type".
     let kind = m
         .get("rope_type")
@@ -341,8 +362,45 @@ fn parse_rope_scaling(f: &Fields, field: &str, m: &Map<String, Value>) -> Result
                 )
             })
     };
+    let opt_num = |key: &str| -> Result<Option<f64>> {
+        match m.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .map(Some)
+                .ok_or_else(|| f.err(&format!("{field}.{key}"), "not a positive number")),
+        }
+    };
     match kind {
         "default" => Ok(RopeScaling::None),
+        "yarn" => {
+            let factor = num("factor")?;
+            let attention_factor = match opt_num("attention_factor")? {
+                Some(a) => a,
+                // DeepSeek's configs give the multipliers of the default instead.
+                None => match (opt_num("mscale")?, opt_num("mscale_all_dim")?) {
+                    (Some(ms), Some(all)) => yarn_mscale(factor, ms) / yarn_mscale(factor, all),
+                    _ => yarn_mscale(factor, 1.0),
+                },
+            };
+            let truncate = match m.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(f.err(&format!("{field}.truncate"), "expected true or false"))
+                }
+            };
+            Ok(RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: opt_num("original_max_position_embeddings")?
+                    .unwrap_or(max_positions as f64),
+                beta_fast: opt_num("beta_fast")?.unwrap_or(32.0),
+                beta_slow: opt_num("beta_slow")?.unwrap_or(1.0),
+                attention_factor,
+                truncate,
+            })
+        }
         "linear" => Ok(RopeScaling::Linear {
             factor: num("factor")?,
         }),
@@ -364,7 +422,9 @@ fn parse_rope_scaling(f: &Fields, field: &str, m: &Map<String, Value>) -> Result
         }
         other => Err(f.err(
             &format!("{field}.rope_type"),
-            format!("unsupported rope scaling {other:?} (supported: default, linear, llama3)"),
+            format!(
+                "unsupported rope scaling {other:?} (supported: default, linear, llama3, yarn)"
+            ),
         )),
     }
 }
@@ -438,6 +498,57 @@ mod tests {
     }
 
     #[test]
+    fn qwen_yarn_scaling() {
+        // Qwen2.5's long-context setting: 32K positions stretched 4 times.
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "max_position_embeddings": 32768, "rope_scaling":
+                {{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.rope_scaling,
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 32768.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: 0.1 * 4f64.ln() + 1.0,
+                truncate: true,
+            }
+        );
+        assert_eq!(c.max_position_embeddings, 131072);
+        // Without an original context: the config's; explicit betas, attention factor, truncate.
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "max_position_embeddings": 4096, "rope_scaling":
+                {{"rope_type": "yarn", "factor": 2, "beta_fast": 16, "beta_slow": 2,
+                "attention_factor": 1.25, "truncate": false}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.rope_scaling,
+            RopeScaling::Yarn {
+                factor: 2.0,
+                original_max_position_embeddings: 4096.0,
+                beta_fast: 16.0,
+                beta_slow: 2.0,
+                attention_factor: 1.25,
+                truncate: false,
+            }
+        );
+        assert_eq!(c.max_position_embeddings, 8192);
+        // DeepSeek's multipliers of the default attention factor.
+        let c = parse(&format!(
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn",
+                "factor": 40, "mscale": 1.0, "mscale_all_dim": 0.5}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            c.rope_scaling.attention_factor(),
+            (0.1 * 40f64.ln() + 1.0) / (0.05 * 40f64.ln() + 1.0)
+        );
+    }
+
+    #[test]
     fn errors_name_file_and_field() {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
         assert_eq!(
@@ -452,12 +563,28 @@ mod tests {
             "{e}"
         );
         let e = parse(&format!(
-            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"type": "yarn", "factor": 2}}}}"#
+            r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"type": "dynamic", "factor": 2}}}}"#
         ))
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "m/config.json: rope_scaling.rope_type: unsupported rope scaling \"yarn\" (supported: default, linear, llama3)"
+            "m/config.json: rope_scaling.rope_type: unsupported rope scaling \"dynamic\" (supported: default, linear, llama3, yarn)"
+        );
+        let e = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "rope_scaling": {{"type": "yarn", "factor": 4, "beta_fast": -1}}}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: rope_scaling.beta_fast: not a positive number"
+        );
+        let e = parse(&format!(
+            r#"{{"model_type": "qwen2", {BASE}, "rope_scaling": {{"type": "yarn", "factor": 4, "truncate": 1}}}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: rope_scaling.truncate: expected true or false"
         );
         for (field, value, want) in [
             (

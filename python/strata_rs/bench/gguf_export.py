@@ -514,6 +514,14 @@ def export_gguf(
         rope_type = scaling["rope_type"]
         if rope_type == "llama3" and arch == "llama":
             freq_factors = _llama3_freq_factors(theta, head_dim, scaling)
+        elif rope_type == "yarn":
+            # llama.cpp's YaRN takes the factor, the original context and the betas; an
+            # explicit attention factor or an untruncated ramp has no key of its own there.
+            for unsupported in ("attention_factor", "mscale", "mscale_all_dim"):
+                if scaling.get(unsupported) is not None:
+                    raise ValueError(f"YaRN's {unsupported} is not supported by the GGUF export")
+            if scaling.get("truncate", True) is not True:
+                raise ValueError("YaRN's truncate=false is not supported by the GGUF export")
         elif rope_type != "linear":
             raise ValueError(f"rope scaling {rope_type!r} is not supported by the GGUF export")
 
@@ -554,6 +562,15 @@ def export_gguf(
     if scaling is not None and scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif scaling is not None and scaling["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+        original = scaling.get("original_max_position_embeddings")
+        writer.add_rope_scaling_orig_ctx_len(int(original or config["max_position_embeddings"]))
+        if scaling.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        if scaling.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
     elif freq_factors is not None:
         # Llama 3 scaling is carried entirely by rope_freqs; a linear factor
         # on top would scale twice.

@@ -2,7 +2,7 @@
 
 use crate::error::Result;
 use crate::model::config::{Family, ModelConfig, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
-use crate::model::kernels::cpu::rope::{RopePairing, RopeScaling};
+use crate::model::kernels::cpu::rope::{yarn_mscale, RopePairing, RopeScaling};
 
 use super::Metadata;
 
@@ -120,12 +120,55 @@ pub fn model_config(
             }
             RopeScaling::Linear { factor }
         }
+        ("yarn", None) => {
+            let positive = |name: &str| -> Result<Option<f64>> {
+                match meta.f64_opt(&key(name))? {
+                    Some(x) if !(x.is_finite() && x > 0.0) => {
+                        Err(meta.err(&key(name), "must be a positive number"))
+                    }
+                    x => Ok(x),
+                }
+            };
+            // DeepSeek's and gpt-oss's variants change the attention factor in ways of their
+            // own: refused rather than run with the wrong scale.
+            for name in [
+                "rope.scaling.yarn_log_multiplier",
+                "rope.scaling.yarn_attn_factor",
+            ] {
+                if meta.contains(&key(name)) {
+                    return Err(meta.err(&key(name), "not supported"));
+                }
+            }
+            let factor = positive("rope.scaling.factor")?
+                .ok_or_else(|| meta.err(&key("rope.scaling.factor"), "missing"))?;
+            let original = match positive("rope.scaling.original_context_length")? {
+                Some(n) => n,
+                None => meta.usize_opt(&key("context_length"))?.unwrap_or(2048) as f64,
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: original,
+                beta_fast: positive("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                beta_slow: positive("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+                attention_factor: yarn_mscale(factor, 1.0),
+                truncate: true,
+            }
+        }
         (other, None) => {
             return Err(meta.err(
                 &key("rope.scaling.type"),
-                format!("unsupported rope scaling {other:?} (supported: none, linear)"),
+                format!("unsupported rope scaling {other:?} (supported: none, linear, yarn)"),
             ))
         }
+    };
+    // A YaRN model's context is its original one stretched by the factor (as from config.json).
+    let context = match rope_scaling {
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings: orig,
+            ..
+        } => (orig * factor).round() as usize,
+        _ => meta.usize_opt(&key("context_length"))?.unwrap_or(2048),
     };
     let eps = meta
         .f64_opt(&key("attention.layer_norm_rms_epsilon"))?
@@ -156,10 +199,7 @@ pub fn model_config(
         rope_theta,
         rope_scaling,
         rope_pairing: pairing,
-        max_position_embeddings: meta
-            .usize_opt(&key("context_length"))?
-            .unwrap_or(2048)
-            .max(1),
+        max_position_embeddings: context.max(1),
         tie_word_embeddings: tied,
         qkv_bias: family == Family::Qwen2,
         o_bias: false,

@@ -111,7 +111,7 @@ fn a_tiny_model_loads_with_its_config() {
     }
 }
 
-use crate::model::kernels::cpu::rope::RopePairing;
+use crate::model::kernels::cpu::rope::{RopePairing, RopeScaling};
 
 #[test]
 fn bad_headers_are_errors_naming_the_file() {
@@ -226,6 +226,25 @@ fn model_errors_name_the_key_or_tensor() {
     // A misshaped tensor: rebuild the file with one matrix transposed.
     let m = GgufModel::open(&path).expect("open");
     assert!(m.contains("blk.1.ffn_down.weight"));
+    let w = rebuilt(&m, |_| {}, Some("blk.1.ffn_down.weight"));
+    let bad = write(dir.path(), "bad.gguf", &w);
+    assert_eq!(
+        load_err(&bad),
+        format!(
+            "{}: tensor blk.1.ffn_down.weight: shape [128, 64], expected [64, 128]",
+            bad.display()
+        )
+    );
+    let _ = p;
+}
+
+/// The tiny llama file `m` written again with its hyper-parameters, `extra` metadata, and its
+/// tensors in f32 (`transposed` with its shape reversed).
+fn rebuilt(
+    m: &GgufModel,
+    extra: impl FnOnce(&mut GgufWriter),
+    transposed: Option<&str>,
+) -> GgufWriter {
     let mut w = GgufWriter::default();
     w.string("general.architecture", "llama");
     for key in [
@@ -240,24 +259,65 @@ fn model_errors_name_the_key_or_tensor() {
         w.u32(&k, m.metadata.usize(&k).expect("key") as u32);
     }
     w.f32("llama.attention.layer_norm_rms_epsilon", 1e-5);
+    extra(&mut w);
     for name in m.tensor_names() {
         let info = m.info(name).expect("info");
         let mut shape = info.shape.clone();
-        if name == "blk.1.ffn_down.weight" {
+        if Some(name.as_str()) == transposed {
             shape.reverse();
         }
         let data = m.get(name, &info.shape).expect("tensor").to_f32_vec();
         w.tensor(name, &shape, DType::F32, &data);
     }
-    let bad = write(dir.path(), "bad.gguf", &w);
+    w
+}
+
+#[test]
+fn yarn_keys_are_read_or_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("m.gguf");
+    TestModel::tiny("llama")
+        .write_gguf(&path, DType::F32)
+        .expect("write");
+    let m = GgufModel::open(&path).expect("open");
+    let yarn = |w: &mut GgufWriter| {
+        w.string("llama.rope.scaling.type", "yarn");
+        w.f32("llama.rope.scaling.factor", 4.0);
+        w.u32("llama.rope.scaling.original_context_length", 32);
+        w.f32("llama.rope.scaling.yarn_beta_fast", 16.0);
+    };
+    let file = write(dir.path(), "yarn.gguf", &rebuilt(&m, yarn, None));
+    let c = Model::load(&file, 64).expect("load").config;
     assert_eq!(
-        load_err(&bad),
+        c.rope_scaling,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 32.0,
+            beta_fast: 16.0,
+            beta_slow: 1.0,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+            truncate: true,
+        }
+    );
+    assert_eq!(c.max_position_embeddings, 128);
+    let deepseek = |w: &mut GgufWriter| {
+        yarn(w);
+        w.f32("llama.rope.scaling.yarn_log_multiplier", 0.1);
+    };
+    let file = write(dir.path(), "deepseek.gguf", &rebuilt(&m, deepseek, None));
+    assert_eq!(
+        load_err(&file),
         format!(
-            "{}: tensor blk.1.ffn_down.weight: shape [128, 64], expected [64, 128]",
-            bad.display()
+            "{}: llama.rope.scaling.yarn_log_multiplier: not supported",
+            file.display()
         )
     );
-    let _ = p;
+    let no_factor = |w: &mut GgufWriter| w.string("llama.rope.scaling.type", "yarn");
+    let file = write(dir.path(), "bare.gguf", &rebuilt(&m, no_factor, None));
+    assert_eq!(
+        load_err(&file),
+        format!("{}: llama.rope.scaling.factor: missing", file.display())
+    );
 }
 
 #[test]

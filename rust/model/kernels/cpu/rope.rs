@@ -20,6 +20,70 @@ pub enum RopeScaling {
     /// One divisor per frequency (GGUF's `rope_freqs` tensor: what the converter computed from
     /// the model's Llama 3 parameters).
     Factors(Vec<f64>),
+    /// YaRN (transformers `_compute_yarn_parameters`, as Qwen's long-context configs set it):
+    /// frequencies that turn fewer than `beta_slow` times over the original context are divided
+    /// by `factor`, those that turn more than `beta_fast` times are kept, a linear ramp over the
+    /// dimensions between; cos and sin are multiplied by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        /// Round the ramp's ends out to whole dimensions (transformers' default).
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// The factor cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        match *self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
+        }
+    }
+}
+
+/// YaRN's default attention factor for `factor` with the multiplier `mscale`: `0.1 * mscale *
+/// ln(factor) + 1` (1 when the context is not stretched).
+pub fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * factor.ln() + 1.0
+    }
+}
+
+/// YaRN's ramp over the frequency index `i`: 0 where the frequency is kept, 1 where it is divided
+/// by the factor.
+fn yarn_ramp(i: usize, head_dim: usize, theta: f64, scaling: &RopeScaling) -> f64 {
+    let RopeScaling::Yarn {
+        original_max_position_embeddings: orig,
+        beta_fast,
+        beta_slow,
+        truncate,
+        ..
+    } = *scaling
+    else {
+        return 0.0;
+    };
+    let dim = head_dim as f64;
+    // The dimension whose frequency turns `rotations` times over the original context.
+    let correction_dim = |rotations: f64| {
+        dim * (orig / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
+    if truncate {
+        (low, high) = (low.floor(), high.ceil());
+    }
+    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+    if low == high {
+        high += 0.001;
+    }
+    ((i as f64 - low) / (high - low)).clamp(0.0, 1.0)
 }
 
 /// Which dimensions of a head rotate together.
@@ -53,6 +117,10 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
                 RopeScaling::None => f,
                 RopeScaling::Linear { factor } => f / factor,
                 RopeScaling::Factors(ref factors) => f / factors[i],
+                RopeScaling::Yarn { factor, .. } => {
+                    let ramp = yarn_ramp(i, head_dim, theta, scaling);
+                    f / factor * ramp + f * (1.0 - ramp)
+                }
                 RopeScaling::Llama3 {
                     factor,
                     low_freq_factor,
@@ -92,6 +160,7 @@ impl RopeTable {
         );
         let half = head_dim / 2;
         let freqs = inv_freqs(head_dim, theta, scaling);
+        let attention_factor = scaling.attention_factor();
         let len = max_positions.checked_mul(half)?;
         let mut cos: Vec<f32> = Vec::new();
         let mut sin: Vec<f32> = Vec::new();
@@ -100,8 +169,8 @@ impl RopeTable {
         for p in 0..max_positions {
             for &f in &freqs {
                 let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
+                cos.push((a.cos() * attention_factor) as f32);
+                sin.push((a.sin() * attention_factor) as f32);
             }
         }
         Some(Self {
@@ -195,15 +264,17 @@ pub fn reference(
 ) {
     let half = head_dim / 2;
     let freqs = inv_freqs(head_dim, theta, scaling);
+    let m = scaling.attention_factor();
     for h in 0..n_heads {
         for (i, &f) in freqs.iter().enumerate() {
             let a = pos as f64 * f;
+            let (cos, sin) = (a.cos() * m, a.sin() * m);
             let (x1, x2) = (
                 x[h * head_dim + i] as f64,
                 x[h * head_dim + i + half] as f64,
             );
-            x[h * head_dim + i] = (x1 * a.cos() - x2 * a.sin()) as f32;
-            x[h * head_dim + i + half] = (x2 * a.cos() + x1 * a.sin()) as f32;
+            x[h * head_dim + i] = (x1 * cos - x2 * sin) as f32;
+            x[h * head_dim + i + half] = (x2 * cos + x1 * sin) as f32;
         }
     }
 }
@@ -243,6 +314,48 @@ mod tests {
     }
 
     #[test]
+    fn yarn_frequency_bands() {
+        // Qwen2.5's YaRN at head_dim 64, theta 1e4, from 4,096 positions: the frequency that
+        // turns 32 times over 4,096 positions is dimension 10.47 (kept up to index 10), the one
+        // that turns once is 22.51 (divided by the factor from index 23), linear between.
+        let s = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: yarn_mscale(4.0, 1.0),
+            truncate: true,
+        };
+        let got = inv_freqs(64, 10000.0, &s);
+        for (i, &g) in got.iter().enumerate() {
+            let f = 1.0 / 10000f64.powf(i as f64 / 32.0);
+            let ramp = ((i as f64 - 10.0) / 13.0).clamp(0.0, 1.0);
+            let want = f * (1.0 - ramp) + f / 4.0 * ramp;
+            assert!((g - want).abs() <= 1e-15 * f, "i={i}: {g} vs {want}");
+        }
+        assert_eq!(got[10], 1.0 / 10000f64.powf(10.0 / 32.0));
+        assert_eq!(got[23], 1.0 / 10000f64.powf(23.0 / 32.0) / 4.0);
+        assert_eq!(s.attention_factor(), 0.1 * 4f64.ln() + 1.0);
+        // Without truncation the ramp runs from 10.47 to 22.51.
+        let s = RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.0,
+            truncate: false,
+        };
+        let got = inv_freqs(64, 10000.0, &s);
+        let low =
+            64.0 * (4096.0 / (32.0 * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 10000f64.ln());
+        let high = 64.0 * (4096.0 / (2.0 * std::f64::consts::PI)).ln() / (2.0 * 10000f64.ln());
+        let f16 = 1.0 / 10000f64.powf(0.5);
+        let ramp = (16.0 - low) / (high - low);
+        assert!((got[16] - (f16 * (1.0 - ramp) + f16 / 4.0 * ramp)).abs() <= 1e-15);
+        assert_eq!(yarn_mscale(1.0, 1.0), 1.0);
+    }
+
+    #[test]
     fn matches_reference_all_scalings() {
         let scalings = [
             RopeScaling::None,
@@ -252,6 +365,14 @@ mod tests {
                 low_freq_factor: 1.0,
                 high_freq_factor: 4.0,
                 original_max_position_embeddings: 64.0,
+            },
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_position_embeddings: 64.0,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                attention_factor: yarn_mscale(4.0, 1.0),
+                truncate: true,
             },
         ];
         let mut rng = Rng(11);
