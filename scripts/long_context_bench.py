@@ -88,7 +88,7 @@ async def main() -> None:
         threads=args.threads,
         max_context=per_conv + bs,
         # One conversation and a little: a second one pushes the first to the host tier.
-        kv_memory_mib=int(conv_mib * 1.15) + 1,
+        kv_memory_mib=int(conv_mib * 1.03) + 1,
         host_cache_mib=int(conv_mib * 2.5) + 1,
         disk_cache_mib=0,
     )
