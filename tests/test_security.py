@@ -1,11 +1,14 @@
 """What the server lets out and in: it listens on loopback unless told otherwise, no request field
 reaches the file system, conversation-cache files are the owner's only, and the log holds no text
-a user wrote unless --log-prompts asks for it. (The API key on every route but /health, the body
-limit and the prompt limit: tests/test_server.py and tests/test_fuzz_server.py.)"""
+a user wrote unless --log-prompts asks for it, and a request head is bounded before it is
+buffered. (The API key on every route but /health, the body limit and the prompt limit:
+tests/test_server.py and tests/test_fuzz_server.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from strata_rs import Engine
+from strata_rs.server.http_limits import MAX_HEAD_BYTES, MAX_HEADERS
 from strata_rs.testing.server import Server, serve_argv
 
 MakeModel = Callable[..., Path]
@@ -150,3 +154,82 @@ def test_the_log_holds_no_user_text_unless_log_prompts_asks(tiny: Path, tmp_path
         else:
             assert any(" prompt: " in line and SECRET in line for line in quoting), quoting
             assert any(f'unknown role "{SECRET}"' in line for line in quoting), quoting
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def _answer(url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Sends `data` on a new connection and reads the answer up to the server's close: (status,
+    headers, body)."""
+    with socket.create_connection(_address(url), timeout=30) as sock:
+        sock.sendall(data)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_request_heads_are_bounded(server: Server) -> None:
+    def refused(status: int, headers: dict[str, str], body: bytes, message: str) -> None:
+        assert (status, headers["connection"], headers["content-type"]) == (
+            431,
+            "close",
+            "application/json",
+        )
+        assert json.loads(body) == {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "request_header_fields_too_large",
+            }
+        }
+
+    # One byte over the limit, the head not even finished: refused, before any route or key.
+    start = b"GET /health HTTP/1.1\r\nhost: x\r\nx-pad: "
+    over = start + b"a" * (MAX_HEAD_BYTES + 1 - len(start))
+    message = f"the request head is over the limit of {MAX_HEAD_BYTES} bytes"
+    refused(*_answer(server.url, over), message)
+    # A URL over the limit likewise.
+    refused(*_answer(server.url, b"GET /" + b"a" * MAX_HEAD_BYTES + b" HTTP/1.1\r\n"), message)
+    # Too many headers, each small: host, connection and 99 more.
+    base = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+    lines = [b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS - 1)]
+    too_many = base + b"".join(lines) + b"\r\n"
+    refused(*_answer(server.url, too_many), f"the request has more than {MAX_HEADERS} headers")
+    status, _, body = _answer(server.url, base + b"".join(lines[1:]) + b"\r\n")
+    assert status == 200, body
+    assert any("request head 431" in line for line in server.lines)
+
+    # A head just under the limit, with a body larger than the limit in the same read, on one
+    # kept-alive connection twice: the limit is the head's, per request.
+    pad = "a" * (MAX_HEAD_BYTES - 512)
+    prompt = "hello " * 20_000
+    with httpx.Client(base_url=server.url) as client:
+        for _ in range(2):
+            r = client.post("/tokenize", json={"prompt": prompt}, headers={"x-pad": pad})
+            assert r.status_code == 200, r.text
+            assert r.json()["count"] > 10_000
+
+    # 256 MiB of one header line: the connection is closed after the limit, and the server's
+    # memory does not grow with what the client tried to send.
+    rss = server.rss_bytes()
+    sent = 0
+    line = b"a" * (1 << 20)
+    with socket.create_connection(_address(server.url), timeout=30) as sock:
+        sock.sendall(start)
+        try:
+            while sent < 256 << 20:
+                sock.sendall(line)
+                sent += len(line)
+        except OSError:  # the server closed the connection: a reset or a broken pipe
+            pass
+    assert sent < 64 << 20, f"the server took {sent >> 20} MiB of one header"
+    assert server.rss_bytes() - rss < 16 << 20
+    assert httpx.get(server.url + "/health").status_code == 200

@@ -21,6 +21,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from strata_rs.server.app import ServerState
+from strata_rs.server.http_limits import BoundedHttpToolsProtocol
 
 logger = logging.getLogger("strata_rs.server")
 
@@ -86,6 +87,7 @@ async def serve_app(
     shown = f"[{bound[0]}]" if sock.family == socket.AF_INET6 else bound[0]
     config = uvicorn.Config(
         app,
+        http=BoundedHttpToolsProtocol,
         log_config=None,
         log_level=log_level.lower(),
         access_log=False,
