@@ -41,14 +41,28 @@ def test_exception_hierarchy() -> None:
     assert issubclass(ContextOverflow, InvalidRequest)
 
 
-def test_no_gpu_here_means_empty_device_list() -> None:
-    assert strata_rs.cuda_devices() == []
-
-
-async def test_cuda_load_is_device_unavailable(model_dir: MakeModel) -> None:
+async def test_the_device_probe_and_a_cuda_load_agree(model_dir: MakeModel) -> None:
+    """What holds with or without a GPU: a GPU the probe does not list cannot be loaded on, and
+    (where there is one) the first one it lists can."""
+    devices = strata_rs.cuda_devices()
+    assert [d["index"] for d in devices] == list(range(len(devices)))
+    past = len(devices)
     with pytest.raises(DeviceUnavailable) as e:
-        await Engine.load(model_dir("llama"), device="cuda:0")
-    assert str(e.value).startswith("device cuda:0: no usable CUDA driver: ")
+        await Engine.load(model_dir("llama"), device=f"cuda:{past}")
+    if devices:
+        assert str(e.value) == (
+            f"device cuda:{past}: GPU {past} does not exist ({past} GPU(s) visible)"
+        )
+        engine = await Engine.load(model_dir("llama"), device="cuda:0")
+        try:
+            assert engine.info["device"] == "cuda:0"
+        finally:
+            await engine.close()
+    else:
+        # No driver (no GPU here) or a driver that sees no GPU.
+        assert str(e.value).startswith(
+            ("device cuda:0: no usable CUDA driver: ", "device cuda:0: GPU 0 does not exist")
+        ), str(e.value)
 
 
 async def test_bad_device_string(model_dir: MakeModel) -> None:

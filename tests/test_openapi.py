@@ -13,14 +13,14 @@ from typing import Any
 import httpx
 import pytest
 from strata_rs import ContextOverflow, Engine, InvalidRequest, SamplingParams, validate_messages
-from strata_rs.server import Settings, create_app, openai
-from strata_rs.server.openai import ApiError, parse_chat, parse_completion
+from strata_rs.server import Settings, create_app, protocol
 from strata_rs.server.openapi import (
     F32_ROUNDS_TO_ZERO,
     MAX_N,
     ROLES,
     openapi_schema,
 )
+from strata_rs.server.protocol import ApiError, parse_chat, parse_completion
 
 MakeModel = Callable[..., Path]
 INFO = {"max_context": 64, "vocab_size": 512}
@@ -34,11 +34,11 @@ def props(name: str) -> dict[str, Any]:
 
 
 def test_request_fields_are_the_validators() -> None:
-    extra = {*openai._IGNORED, *openai._UNSUPPORTED}
-    assert set(props("ChatCompletionRequest")) == set(openai._CHAT_FIELDS) | extra
-    assert set(props("CompletionRequest")) == set(openai._COMPLETION_FIELDS) | extra
-    assert set(props("TokenizeRequest")) == set(openai.TOKENIZE_FIELDS)
-    assert set(props("DetokenizeRequest")) == set(openai.DETOKENIZE_FIELDS)
+    extra = {*protocol._IGNORED, *protocol._UNSUPPORTED}
+    assert set(props("ChatCompletionRequest")) == set(protocol._CHAT_FIELDS) | extra
+    assert set(props("CompletionRequest")) == set(protocol._COMPLETION_FIELDS) | extra
+    assert set(props("TokenizeRequest")) == set(protocol.TOKENIZE_FIELDS)
+    assert set(props("DetokenizeRequest")) == set(protocol.DETOKENIZE_FIELDS)
     for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizeRequest"):
         assert SCHEMAS[name]["additionalProperties"] is False, name
     assert SCHEMAS["DetokenizeRequest"]["additionalProperties"] is False
@@ -72,7 +72,7 @@ def test_unsupported_fields_document_their_off_values() -> None:
         ("ChatCompletionRequest", parse_chat, {"messages": MSG}),
         ("CompletionRequest", parse_completion, {"prompt": "hi"}),
     ]:
-        for name, values in openai._UNSUPPORTED.items():
+        for name, values in protocol._UNSUPPORTED.items():
             assert props(schema)[name]["enum"] == list(values), name
             for value in values:
                 parse({**base, name: value}, "tiny")
@@ -135,8 +135,8 @@ def test_sampling_bounds_are_where_the_engine_starts_to_refuse() -> None:
 
 def test_logprob_bounds_are_the_validators() -> None:
     top = bounds("top_logprobs")
-    assert top == {"minimum": 0, "maximum": openai.MAX_LOGPROBS}
-    assert props("CompletionRequest")["logprobs"]["maximum"] == openai.MAX_LOGPROBS
+    assert top == {"minimum": 0, "maximum": protocol.MAX_LOGPROBS}
+    assert props("CompletionRequest")["logprobs"]["maximum"] == protocol.MAX_LOGPROBS
     parse_chat({"messages": MSG, "logprobs": True, "top_logprobs": top["maximum"]}, "tiny")
     with pytest.raises(ApiError) as e:
         parse_chat({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "tiny")

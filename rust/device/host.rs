@@ -222,7 +222,7 @@ impl RamGate {
         // checked_add: a need so large that need + floor overflows can never be admitted.
         let total = need.checked_add(self.floor);
         let fits = |left: u64| total.is_some_and(|t| t <= left);
-        let mut sample = self.sample.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sample = crate::sync::lock(&self.sample);
         if let Some(s) = sample.as_mut() {
             let young = s.taken.elapsed() < self.sample_ttl;
             let within = s.admitted.saturating_add(need) <= SAMPLE_MAX_ADMITTED;

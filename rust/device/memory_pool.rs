@@ -11,7 +11,7 @@
 //! reservations are rare (load, one per staging buffer), so the lock is never contended.
 
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// What a reservation is for. The order is the order of `stats()` and the metrics.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -127,11 +127,7 @@ impl MemoryPool {
     }
 
     fn counts(&self) -> MutexGuard<'_, [u64; Purpose::COUNT]> {
-        // Nothing panics while the lock is held; a poisoned lock still holds valid counts.
-        self.inner
-            .in_use
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        crate::sync::lock(&self.inner.in_use)
     }
 
     /// Reserves `bytes` for `purpose`, or refuses when the total in use would pass the capacity.

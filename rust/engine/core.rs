@@ -171,8 +171,9 @@ impl EngineCore {
         );
     }
 
-    /// One engine step; false when nothing could be scheduled. Errors are internal faults; the
-    /// caller ends every stream with them.
+    /// One engine step. True when a step ran or there is nothing to do (idle); false when work
+    /// waits but nothing could be scheduled. Errors are internal faults; the caller ends every
+    /// stream with them.
     pub fn step(&mut self) -> Result<bool> {
         if self.inject_fault {
             panic!("injected fault");
@@ -444,7 +445,7 @@ impl EngineCore {
         if let Some(d) = step {
             st.record_step(d, plan.iter().map(|c| c.len).sum());
         }
-        let mut shared = self.stats.lock().unwrap_or_else(|p| p.into_inner());
+        let mut shared = crate::sync::lock(&self.stats);
         // Refusals are counted by submitters, on their side of the channel.
         let refused = shared.refused;
         shared.clone_from(st);

@@ -656,8 +656,7 @@ impl Engine {
     }
 
     fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {
-        // A poisoned lock only means a panic elsewhere; the counters are still readable.
-        self.stats.lock().unwrap_or_else(|p| p.into_inner())
+        crate::sync::lock(&self.stats)
     }
 
     pub fn info(&self) -> &EngineInfo {

@@ -36,8 +36,7 @@ pub struct PyEngine {
 /// The engine's lock. Whoever holds it must not wait for the GIL (no `py.detach` around it, no
 /// Python run under it): threads that hold the GIL take it too, and would deadlock.
 fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
-    // A poisoned lock only means a panic elsewhere; the engine's own state is still consistent.
-    engine.lock().unwrap_or_else(|p| p.into_inner())
+    crate::sync::lock(engine)
 }
 
 fn join_error(e: tokio::task::JoinError) -> StrataError {

@@ -46,7 +46,7 @@ impl StreamShared {
     pub fn poll_chunk(&self, py: Python<'_>, cx: &mut Context<'_>) -> Poll<PyResult<Py<PyAny>>> {
         // The lock is let go before the chunk is built: building it runs Python.
         let next = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = crate::sync::lock(&self.state);
             match state.poll_next_delta(cx) {
                 Poll::Ready(next) => next,
                 Poll::Pending => return Poll::Pending,

@@ -37,10 +37,10 @@ from strata_rs import (
     TokenStream,
     validate_messages,
 )
-from strata_rs.server import openai
+from strata_rs.server import protocol
 from strata_rs.server.metrics import CACHE_GATES, CONTENT_TYPE, TIERS, ServerMetrics
-from strata_rs.server.openai import ApiError, ChoiceResult, GenerationRequest
 from strata_rs.server.openapi import openapi_schema
+from strata_rs.server.protocol import ApiError, ChoiceResult, GenerationRequest
 
 logger = logging.getLogger("strata_rs.server")
 
@@ -130,11 +130,11 @@ class ServerState:
 
     def require_engine(self) -> Engine:
         if self.draining:
-            raise openai.unavailable("the server is shutting down", "shutting_down")
+            raise protocol.unavailable("the server is shutting down", "shutting_down")
         if self.engine is None:
             if self.fatal is not None:
-                raise openai.unavailable(self.fatal, "engine_stopped")
-            raise openai.unavailable(
+                raise protocol.unavailable(self.fatal, "engine_stopped")
+            raise protocol.unavailable(
                 "the model is loading", "model_loading", self.settings.retry_after_seconds
             )
         return self.engine
@@ -175,7 +175,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
         try:
             declared = int(length)
         except ValueError:
-            raise openai.invalid(None, "invalid Content-Length header") from None
+            raise protocol.invalid(None, "invalid Content-Length header") from None
         if declared > limit:
             raise too_large
     parts: list[bytes] = []
@@ -189,7 +189,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _json_body(request: Request, state: ServerState) -> dict[str, Any]:
-    return openai.parse_json(await _read_body(request, state.settings.max_body_bytes))
+    return protocol.parse_json(await _read_body(request, state.settings.max_body_bytes))
 
 
 def _error(e: ApiError, state: ServerState, endpoint: str) -> Response:
@@ -201,7 +201,7 @@ def _log_error(state: ServerState, endpoint: str, e: ApiError) -> None:
     # A message can quote what the client sent (an unknown role, a template's complaint about a
     # message): only --log-prompts lets it into the log; the client always gets it.
     detail = f": {e.message}" if state.settings.log_prompts else ""
-    param = openai.loggable_param(e.param) if not state.settings.log_prompts else e.param
+    param = protocol.loggable_param(e.param) if not state.settings.log_prompts else e.param
     param = f" param={param}" if param else ""
     code = f" code={e.code}" if e.code else ""
     logger.info("%s %d %s%s%s%s", endpoint, e.status, e.type, param, code, detail)
@@ -216,7 +216,7 @@ def _open_streams(
     # Each prompt is a request in the engine's queue, all submitted at once: more than the queue
     # holds could never be admitted, so that is the client's error (400), not "retry later" (503).
     if len(req.prompts) > max_waiting:
-        raise openai.invalid(
+        raise protocol.invalid(
             "prompt",
             f"{len(req.prompts)} prompts are more than the server queues at once "
             f"(max_waiting {max_waiting})",
@@ -232,7 +232,7 @@ def _open_streams(
     except StrataError as e:
         for s in streams:
             s.cancel()
-        raise openai.engine_error(e, req.renames, retry_after) from None
+        raise protocol.engine_error(e, req.renames, retry_after) from None
     return streams
 
 
@@ -304,7 +304,7 @@ class _Progress:
     def done(self, status: int) -> None:
         m = self.state.metrics
         m.http_requests.labels(self.endpoint, str(status)).inc()
-        usage = openai.sum_usage(self.usages)
+        usage = protocol.sum_usage(self.usages)
         if self.t_first is not None:
             m.e2e.observe(self.t_last - self.t0)
         ttft = f"{(self.t_first - self.t0) * 1e3:.1f}ms" if self.t_first is not None else "-"
@@ -371,7 +371,7 @@ class _EventStream(Response):
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         gone: list[bool] = []
         watcher = asyncio.ensure_future(_watch_disconnect(receive, self.streams, gone))
-        writer = openai.ChunkWriter(req)
+        writer = protocol.ChunkWriter(req)
         chunks = _merged(self.streams)
         n = req.n
         perf = time.perf_counter
@@ -398,14 +398,14 @@ class _EventStream(Response):
                 if gone:
                     p.outcome = "disconnected"
                 else:
-                    tail = openai.SSE_DONE
+                    tail = protocol.SSE_DONE
                     if req.include_usage:
-                        tail = writer.usage(openai.sum_usage(p.usages)) + tail
+                        tail = writer.usage(protocol.sum_usage(p.usages)) + tail
                     await send({"type": "http.response.body", "body": tail, "more_body": False})
             except StrataError as e:
                 # The engine stopped mid-stream: the status line is gone, so the error is an
                 # event (the openai client raises it); no [DONE], the answer is incomplete.
-                err = openai.engine_error(e)
+                err = protocol.engine_error(e)
                 p.outcome = "error"
                 _log_error(p.state, p.endpoint, err)
                 event = writer.error(err)
@@ -464,7 +464,7 @@ async def _generate(request: Request, kind: str) -> Response:
         state.authorize(request)
         engine = state.require_engine()
         body = await _json_body(request, state)
-        parse = openai.parse_chat if kind == "chat" else openai.parse_completion
+        parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
         req = parse(body, state.model_name)
         streams = _open_streams(engine, req, state.settings.retry_after_seconds, state.max_waiting)
     except ApiError as e:
@@ -476,13 +476,13 @@ async def _generate(request: Request, kind: str) -> Response:
     try:
         choices = await _collect(progress, streams, request.receive)
     except StrataError as e:
-        err = openai.engine_error(e)
+        err = protocol.engine_error(e)
         progress.outcome = "error"
         progress.done(err.status)
         _log_error(state, endpoint, err)
         return _json(err.body(), err.status, err.headers)
     progress.done(200)
-    body_out = openai.full_response(req, choices, openai.sum_usage(progress.usages))
+    body_out = protocol.full_response(req, choices, protocol.sum_usage(progress.usages))
     return _json(body_out, headers={"x-request-id": req.request_id})
 
 
@@ -553,47 +553,38 @@ async def get_model(request: Request, state: ServerState) -> Response:
     state.require_engine()
     name = request.path_params["model"]
     if name != state.model_name:
-        openai.check_model({"model": name}, state.model_name)
+        protocol.check_model({"model": name}, state.model_name)
     return _json(_model_card(state))
 
 
 def _check_known(body: Mapping[str, Any], known: Sequence[str]) -> None:
     for key in body:
         if key not in known:
-            raise openai.invalid(key, "unrecognized request argument")
-
-
-def _bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise openai.invalid(name, f"must be a boolean, got {type(value).__name__}")
-    return value
+            raise protocol.invalid(key, "unrecognized request argument")
 
 
 @_simple("tokenize")
 async def tokenize(request: Request, state: ServerState) -> Response:
     engine = state.require_engine()
     body = await _json_body(request, state)
-    _check_known(body, openai.TOKENIZE_FIELDS)
-    openai.check_model(body, state.model_name)
+    _check_known(body, protocol.TOKENIZE_FIELDS)
+    protocol.check_model(body, state.model_name)
     # Checked whichever of prompt and messages is sent, as the schema says.
-    openai.template_options(body)
+    protocol.template_options(body)
     tok = engine.tokenizer
     prompt = body.get("prompt")
     messages = body.get("messages")
     if (prompt is None) == (messages is None):
-        raise openai.invalid(None, "send exactly one of prompt and messages")
+        raise protocol.invalid(None, "send exactly one of prompt and messages")
     try:
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise openai.invalid("prompt", f"must be a string, got {type(prompt).__name__}")
+                raise protocol.invalid("prompt", f"must be a string, got {type(prompt).__name__}")
             ids = tok.encode(
-                prompt, add_special_tokens=_bool_field(body, "add_special_tokens", True)
+                prompt, add_special_tokens=protocol.bool_field(body, "add_special_tokens", True)
             )
         else:
-            chat = openai.parse_chat(
+            chat = protocol.parse_chat(
                 {
                     "messages": messages,
                     "add_generation_prompt": body.get("add_generation_prompt"),
@@ -610,10 +601,10 @@ async def tokenize(request: Request, state: ServerState) -> Response:
                 add_generation_prompt=chat.engine_kwargs["add_generation_prompt"],
                 **chat.engine_kwargs.get("chat_template_kwargs", {}),
             )
-            special = _bool_field(body, "add_special_tokens", False)
+            special = protocol.bool_field(body, "add_special_tokens", False)
             ids = tok.encode(rendered, add_special_tokens=special)
     except InvalidRequest as e:
-        raise openai.engine_error(e) from None
+        raise protocol.engine_error(e) from None
     return _json({"count": len(ids), "max_model_len": engine.info["max_context"], "tokens": ids})
 
 
@@ -621,23 +612,25 @@ async def tokenize(request: Request, state: ServerState) -> Response:
 async def detokenize(request: Request, state: ServerState) -> Response:
     engine = state.require_engine()
     body = await _json_body(request, state)
-    _check_known(body, openai.DETOKENIZE_FIELDS)
-    openai.check_model(body, state.model_name)
+    _check_known(body, protocol.DETOKENIZE_FIELDS)
+    protocol.check_model(body, state.model_name)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
-        raise openai.invalid("tokens", "must be an array of token ids")
+        raise protocol.invalid("tokens", "must be an array of token ids")
     vocab = engine.info["vocab_size"]
     for t in tokens:
         if not isinstance(t, int) or isinstance(t, bool):
-            raise openai.invalid(
+            raise protocol.invalid(
                 "tokens", f"must be an array of token ids, got a {type(t).__name__}"
             )
         if not 0 <= t < vocab:
-            raise openai.invalid("tokens", f"token id {t} is outside the vocabulary (size {vocab})")
+            raise protocol.invalid(
+                "tokens", f"token id {t} is outside the vocabulary (size {vocab})"
+            )
     tok = engine.tokenizer
     # Ids past the tokenizer (padded embedding rows) have no text, as in a stream.
     known = [t for t in tokens if t < tok.vocab_size]
-    skip = _bool_field(body, "skip_special_tokens", False)
+    skip = protocol.bool_field(body, "skip_special_tokens", False)
     return _json({"prompt": tok.decode(known, skip_special_tokens=skip)})
 
 

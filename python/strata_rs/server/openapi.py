@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 description of the server, served at ``GET /openapi.json``.
 
-Request schemas are built from the validator's own tables in `openai.py` (`_ENGINE_FIELDS`,
+Request schemas are built from the validator's own tables in `protocol.py` (`_ENGINE_FIELDS`,
 `_IGNORED`, `_UNSUPPORTED`, `_CHAT_FIELDS`, `_COMPLETION_FIELDS`, `MAX_LOGPROBS`): a field the
 validator accepts and the schema lacks (or the reverse) fails when the document is built, so in
 tests/test_openapi.py, not in a client. The
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from strata_rs.server import openai
-from strata_rs.server.openai import MAX_LOGPROBS, RESERVED_TEMPLATE_VARIABLES
+from strata_rs.server import protocol
+from strata_rs.server.protocol import MAX_LOGPROBS, RESERVED_TEMPLATE_VARIABLES
 
 # The engine's limits (rust/engine/request.rs: MAX_N, ROLES); tests/test_openapi.py checks them
 # against the engine.
@@ -104,7 +104,7 @@ def _engine_fields(vocab_size: int | None) -> dict[str, dict[str, Any]]:
 
 def _ignored_fields() -> dict[str, dict[str, Any]]:
     fields: dict[str, dict[str, Any]] = {
-        name: {"description": "accepted and ignored"} for name in openai._IGNORED
+        name: {"description": "accepted and ignored"} for name in protocol._IGNORED
     }
     fields["user"] = {"type": ["string", "null"], "description": "accepted and ignored"}
     return fields
@@ -116,7 +116,7 @@ def _unsupported_fields() -> dict[str, dict[str, Any]]:
             "description": "not implemented: only its off value is accepted",
             "enum": list(values),
         }
-        for name, values in openai._UNSUPPORTED.items()
+        for name, values in protocol._UNSUPPORTED.items()
     }
 
 
@@ -207,7 +207,7 @@ def _request_schemas(
         **_ignored_fields(),
         **_unsupported_fields(),
     }
-    accepted_extra = (*openai._IGNORED, *openai._UNSUPPORTED)
+    accepted_extra = (*protocol._IGNORED, *protocol._UNSUPPORTED)
     top = {"minimum": 0, "maximum": MAX_LOGPROBS}
     chat = _object(
         {
@@ -221,7 +221,7 @@ def _request_schemas(
             "top_logprobs": _integer("alternatives per token; needs logprobs: true", **top),
             **_template_fields(),
         },
-        (*openai._CHAT_FIELDS, *accepted_extra),
+        (*protocol._CHAT_FIELDS, *accepted_extra),
         required=["messages"],
         allOf=[
             _needs("stream_options", "object", "stream"),
@@ -245,11 +245,11 @@ def _request_schemas(
             },
             "max_tokens": _max_tokens(
                 max_context,
-                f"most tokens to generate (default {openai.COMPLETIONS_DEFAULT_MAX_TOKENS})",
+                f"most tokens to generate (default {protocol.COMPLETIONS_DEFAULT_MAX_TOKENS})",
             ),
             "logprobs": _integer("alternatives per token, with each token's logprob", **top),
         },
-        (*openai._COMPLETION_FIELDS, *accepted_extra),
+        (*protocol._COMPLETION_FIELDS, *accepted_extra),
         required=["prompt"],
         allOf=[_needs("stream_options", "object", "stream")],
     )
@@ -264,7 +264,7 @@ def _request_schemas(
             ),
             **_template_fields(),
         },
-        openai.TOKENIZE_FIELDS,
+        protocol.TOKENIZE_FIELDS,
         description="exactly one of prompt and messages",
         oneOf=[
             {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -277,7 +277,7 @@ def _request_schemas(
             "tokens": {"type": "array", "items": _token_id(vocab_size)},
             "skip_special_tokens": _boolean("leave special tokens out (default false)"),
         },
-        openai.DETOKENIZE_FIELDS,
+        protocol.DETOKENIZE_FIELDS,
         required=["tokens"],
     )
     return {

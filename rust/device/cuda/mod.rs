@@ -6,7 +6,11 @@
 //! - `kernels`: the `.cu` sources (`kernels/*.cu`, one per kernel, each with a CPU twin in
 //!   `rust/model/kernels/cpu/`) and their launch wrappers.
 //!
-//! Nothing here is wired into the engine yet: the forward pass runs on the CPU.
+//! - `runner`: the model on the GPU when an engine is loaded with `device="cuda:N"`: the step's
+//!   plan, the forward through these kernels and cuBLAS, decode steps captured as CUDA graphs.
+//!
+//! It has never run on a GPU (none was lent to the project): the kernels' tests run against
+//! their CPU twins where a GPU answers, and the build and NVRTC compiles are tested everywhere.
 
 pub mod blas;
 pub mod device;

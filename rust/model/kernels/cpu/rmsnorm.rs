@@ -2,7 +2,8 @@
 
 use rayon::prelude::*;
 
-/// Rows per rayon task: below this many elements in total we stay on the calling thread.
+/// Below this many elements in total the norm stays on the calling thread (splitting it into
+/// rayon tasks would cost more than it saves).
 const PAR_MIN_ELEMS: usize = 64 * 1024;
 
 /// For each of the `out.len() / w.len()` rows: `out = x * 1/sqrt(mean(x^2) + eps) * w`.

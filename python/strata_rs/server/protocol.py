@@ -261,7 +261,8 @@ def _type_name(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """`body[name]` as a bool (`default` when absent or null); 400 naming it otherwise."""
     value = body.get(name)
     if value is None:
         return default
@@ -323,7 +324,7 @@ class GenerationRequest:
 
 def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationRequest:
     check_model(body, served)
-    stream = _bool(body, "stream", False)
+    stream = bool_field(body, "stream", False)
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
@@ -331,7 +332,7 @@ def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationReques
             raise invalid("stream_options", "only allowed when stream is true")
         if not isinstance(options, dict):
             raise invalid("stream_options", f"must be an object, got {_type_name(options)}")
-        include_usage = _bool(options, "include_usage", False)
+        include_usage = bool_field(options, "include_usage", False)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     req = GenerationRequest(
         kind="chat" if kind == "chat" else "completion",
@@ -401,7 +402,7 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
     if max_tokens is not None:
         kwargs["max_tokens"] = max_tokens
 
-    logprobs = _bool(body, "logprobs", False)
+    logprobs = bool_field(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None:
         if not isinstance(top, int) or isinstance(top, bool):
@@ -424,7 +425,7 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
 
 def template_options(body: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | None]:
     """add_generation_prompt (default true) and chat_template_kwargs, checked."""
-    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    add_generation_prompt = bool_field(body, "add_generation_prompt", True)
     template_kwargs = body.get("chat_template_kwargs")
     if template_kwargs is None:
         return add_generation_prompt, None
