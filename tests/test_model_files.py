@@ -514,9 +514,17 @@ def test_config_json_variations(model_dir: MakeModel, tmp_path: Path) -> None:
         ({"rms_norm_eps": "x"}, 'rms_norm_eps: expected a finite number, found "x"'),
         ({"rope_scaling": 5}, "rope_scaling: expected an object or null"),
         (
+            {"rope_scaling": {"rope_type": "dynamic"}},
+            'rope_scaling.rope_type: unsupported rope scaling "dynamic" (supported: default,'
+            " linear, llama3, yarn)",
+        ),
+        (
             {"rope_scaling": {"rope_type": "yarn"}},
-            'rope_scaling.rope_type: unsupported rope scaling "yarn" (supported: default,'
-            " linear, llama3)",
+            "rope_scaling.factor: missing or not a positive number",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4, "attention_factor": "x"}},
+            "rope_scaling.attention_factor: not a positive number",
         ),
         ({"layer_types": ["x"]}, "layer_types: has 1 entries for 2 layers"),
         ({"tie_word_embeddings": "no"}, 'tie_word_embeddings: expected true or false, found "no"'),
