@@ -116,6 +116,15 @@ def test_ctrl_c_during_a_stream_cancels_it(model_dir: MakeModel) -> None:
     # A stream far longer than the press can be late: on a loaded machine the presser thread
     # can wait for a core while the tiny model streams thousands of tokens.
     model = model_dir("llama", max_position_embeddings=65536)
+    # Python's own Ctrl-C handler, as a script has it, whatever an earlier test left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        ctrl_c_cancels_a_stream(model)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def ctrl_c_cancels_a_stream(model: Path) -> None:
     with LLM(model, host_cache_mib=0, disk_cache_mib=0) as llm:
         got: list[int] = []
         waiting = threading.Event()
