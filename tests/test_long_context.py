@@ -30,6 +30,14 @@ ROPE = {
     "original_max_position_embeddings": 4096,
 }
 GEN = 4
+# One layer, 2 query heads on one K/V head of 16: attention over long contexts is the cost.
+TINY: dict[str, int] = {
+    "num_hidden_layers": 1,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +51,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
             "llama",
             max_position_embeddings=positions,
             rope_scaling=ROPE,
-            num_hidden_layers=1,
-            hidden_size=32,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
+            **TINY,
         )
 
     return make
@@ -103,11 +107,7 @@ async def test_yarn_logits_past_the_original_context_match_the_reference(
         "qwen2",
         max_position_embeddings=1024,
         rope_scaling=rope_scaling,
-        num_hidden_layers=1,
-        hidden_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
+        **TINY,
     )
     n = 4096
     ids = np.random.default_rng(17).integers(0, 512, n).tolist()

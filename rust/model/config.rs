@@ -238,15 +238,7 @@ impl ModelConfig {
                 None => RopeScaling::None,
             },
         };
-        // A YaRN config stretches its original context by the factor (what vLLM serves too).
-        let max_position_embeddings = match rope_scaling {
-            RopeScaling::Yarn {
-                factor,
-                original_max_position_embeddings: orig,
-                ..
-            } => (orig * factor).round() as usize,
-            _ => max_position_embeddings,
-        };
+        let max_position_embeddings = rope_scaling.context(max_position_embeddings);
 
         let explicit_bias = f.bool_opt("attention_bias")?;
         let (qkv_bias, o_bias) = match family {

@@ -161,15 +161,7 @@ pub fn model_config(
             ))
         }
     };
-    // A YaRN model's context is its original one stretched by the factor (as from config.json).
-    let context = match rope_scaling {
-        RopeScaling::Yarn {
-            factor,
-            original_max_position_embeddings: orig,
-            ..
-        } => (orig * factor).round() as usize,
-        _ => meta.usize_opt(&key("context_length"))?.unwrap_or(2048),
-    };
+    let context = rope_scaling.context(meta.usize_opt(&key("context_length"))?.unwrap_or(2048));
     let eps = meta
         .f64_opt(&key("attention.layer_norm_rms_epsilon"))?
         .ok_or_else(|| meta.err(&key("attention.layer_norm_rms_epsilon"), "missing"))?;

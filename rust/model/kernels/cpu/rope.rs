@@ -36,6 +36,19 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
+    /// The context a model with this scaling serves by default: for YaRN its original context
+    /// stretched by the factor (what vLLM serves too), else `stated` (the config's).
+    pub fn context(&self, stated: usize) -> usize {
+        match *self {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: orig,
+                ..
+            } => (orig * factor).round() as usize,
+            _ => stated,
+        }
+    }
+
     /// The factor cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise).
     pub fn attention_factor(&self) -> f64 {
         match *self {
