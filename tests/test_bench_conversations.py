@@ -5,11 +5,13 @@ must come from below the device."""
 
 from __future__ import annotations
 
+import os
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from strata_rs.bench.conversation_servers import run_server_conversations
 from strata_rs.bench.conversations import plot_series, run_conversations, write_png, write_svg
 
 pytestmark = pytest.mark.anyio
@@ -75,3 +77,96 @@ async def test_returning_turns_come_from_host_then_disk_and_plot(
         return
     png = write_png(r, tmp_path / "conversations.png", "tiny").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and b"tEXtSoftware\x00Matplotlib" in png
+
+
+# -- through the servers: `--conversations --llama-server PATH` ------------------------------------
+
+
+def _tiny_gguf(model_dir: Callable[..., Path], tmp_path: Path) -> Path:
+    pytest.importorskip("gguf")
+    from strata_rs.bench.gguf_export import export_gguf
+
+    model = model_dir("llama", max_position_embeddings=8192)
+    # f32: f32 K/V, whose 8 KiB blocks make the 1 MiB pool hold about 2.3 histories of 880.
+    return export_gguf(model, tmp_path / "tiny.gguf", "f32")
+
+
+async def test_returning_turns_through_strata_rs_serve(
+    model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The server scenario without a peer: every returning turn reuses its whole history, and
+    the pool (about 2.2 histories) has pushed it to the host tier, so part of it is restored."""
+    r = await run_server_conversations(
+        _tiny_gguf(model_dir, tmp_path), None, history=880, new_tokens=20, rounds=2,
+        log=lambda _: None,
+    )  # fmt: skip
+    assert [(t["round"], t["conversation"]) for t in r["turns"]] == [
+        (r, c) for r in (1, 2) for c in range(4)
+    ]
+    for i, t in enumerate(r["turns"]):
+        assert t["prompt_tokens"] == 880 + 20 * t["round"]
+        assert list(t["ttft_s"]) == ["strata-rs"] and t["ttft_s"]["strata-rs"] > 0
+        # The previous prompt, in whole blocks of 16: all of it came from the cache.
+        assert t["cached_tokens"]["strata-rs"] == (t["prompt_tokens"] - 20) // 16 * 16, i
+        assert 0 < t["strata-rs host-tier tokens"] <= t["cached_tokens"]["strata-rs"], i
+    assert r["ratio"] is None and r["target"]["met"] is None
+    assert list(r["median_ttft_s"]) == ["strata-rs"]
+    assert r["setup"]["llama-server"] is None and r["setup"]["kv_memory_mib"] == 1
+
+
+LLAMA_SERVER = os.environ.get("STRATA_LLAMA_SERVER")
+
+
+@pytest.mark.skipif(
+    LLAMA_SERVER is None,
+    reason="set STRATA_LLAMA_SERVER to a llama-server binary (scripts/build_llama_server.py)",
+)
+async def test_returning_turns_through_both_servers(
+    model_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    assert LLAMA_SERVER is not None
+    r = await run_server_conversations(
+        _tiny_gguf(model_dir, tmp_path), LLAMA_SERVER, history=880, new_tokens=20, rounds=1,
+        log=lambda _: None,
+    )  # fmt: skip
+    for t in r["turns"]:
+        assert set(t["ttft_s"]) == {"strata-rs", "llama-server"}
+        # llama-server reused the history too (its prompt cache), then evaluated the new ids.
+        assert t["cached_tokens"]["llama-server"] >= 880
+        assert (
+            t["llama-server timings"]["prompt_n"]
+            == t["prompt_tokens"] - t["cached_tokens"]["llama-server"]
+        )
+    assert [t["first"] for t in r["turns"]] == ["strata-rs", "llama-server"] * 2
+    assert r["ratio"] == r["median_ttft_s"]["strata-rs"] / r["median_ttft_s"]["llama-server"]
+    assert r["setup"]["llama-server version"] != "unknown"
+
+
+def test_llama_server_option_errors(
+    model_dir: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from strata_rs.cli import main
+
+    folder = model_dir("llama")
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    cases = [
+        (
+            ["--model", str(folder), "--llama-server", str(exe)],
+            "--llama-server needs --conversations",
+        ),
+        (
+            ["--model", str(folder), "--conversations", "--llama-server", str(exe)],
+            "--llama-server needs a GGUF for both servers: --model FILE.gguf or --gguf FILE",
+        ),
+        (
+            ["--model", str(folder), "--gguf", str(gguf), "--conversations",
+             "--llama-server", str(tmp_path / "none")],
+            f"--llama-server {tmp_path / 'none'}: not an executable file",
+        ),
+    ]  # fmt: skip
+    for args, message in cases:
+        assert main(["bench", *args]) == 2
+        assert capsys.readouterr().err.strip() == f"strata-rs: {message}"

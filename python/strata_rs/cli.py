@@ -180,6 +180,15 @@ def _parser() -> argparse.ArgumentParser:
         help="with --compare llama.cpp: use this GGUF of the model instead of exporting one",
     )
     b.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="with --conversations: then the same turns through `strata-rs serve` and this "
+        "llama-server binary over loopback HTTP, on the same GGUF (--model FILE.gguf or --gguf; "
+        "scripts/build_llama_server.py builds one)",
+    )
+    b.add_argument(
         "--plot",
         type=Path,
         default=None,
@@ -482,6 +491,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problem is not None:
                 print(f"strata-rs: {problem}", file=sys.stderr)
                 return 2
+        if args.command == "bench" and args.llama_server is not None:
+            problem = _check_llama_server(args)
+            if problem is not None:
+                print(f"strata-rs: {problem}", file=sys.stderr)
+                return 2
         if args.command == "bench" and args.conversations is not None:
             return _bench_conversations(args)
         if args.command == "bench":
@@ -543,6 +557,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1
 
 
+def _given_gguf(args: argparse.Namespace) -> Path | None:
+    """The GGUF given: the model itself, or --gguf."""
+    if args.model.suffix.lower() == ".gguf":
+        return args.model
+    return args.gguf
+
+
+def _check_llama_server(args: argparse.Namespace) -> str | None:
+    """Why --llama-server cannot run (checked before a long run), or None."""
+    if args.conversations is None:
+        return "--llama-server needs --conversations"
+    if _given_gguf(args) is None:
+        return "--llama-server needs a GGUF for both servers: --model FILE.gguf or --gguf FILE"
+    if not os.access(args.llama_server, os.X_OK) or args.llama_server.is_dir():
+        return f"--llama-server {args.llama_server}: not an executable file"
+    return None
+
+
 def _bench_conversations(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -573,7 +605,7 @@ def _bench_conversations(args: argparse.Namespace) -> int:
             if reason is not None:
                 print(skip_line("llama.cpp", reason), file=sys.stderr, flush=True)
             else:
-                gguf = args.gguf
+                gguf = _given_gguf(args)
                 if gguf is None:
                     config = json.loads((args.model / "config.json").read_text())
                     dtype = {"bfloat16": "bf16", "float16": "f16"}.get(
@@ -601,6 +633,27 @@ def _bench_conversations(args: argparse.Namespace) -> int:
         else:
             write_png(result, args.plot, title)
         print(f"plot: {args.plot}")
+    if args.llama_server is not None:
+        from strata_rs.bench.conversation_servers import (
+            print_server_conversations,
+            run_server_conversations,
+        )
+
+        gguf = _given_gguf(args)
+        assert gguf is not None  # _check_llama_server
+        result["servers"] = asyncio.run(
+            run_server_conversations(
+                gguf,
+                args.llama_server,
+                conversations=args.conversations,
+                history=args.history,
+                new_tokens=args.new_tokens,
+                rounds=args.rounds,
+                threads=args.threads,
+            )
+        )
+        print()
+        print_server_conversations(result["servers"])
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2, default=str))
     return 0

@@ -78,6 +78,19 @@ def memcpy_gb_s(size: int = 256 << 20, repeats: int = 5) -> float:
     return size / statistics.median(times) / 1e9
 
 
+def pool_sizes(
+    conversations: int, history: int, final_len: int, block_size: int, block_bytes: int
+) -> tuple[int, int, int, int]:
+    """(device pool MiB for `DEVICE_CONVERSATIONS` histories, max_context, one conversation's
+    bytes at its longest, host tier MiB for every conversation with room to spare)."""
+    bs = block_size
+    kv_memory_mib = math.ceil(DEVICE_CONVERSATIONS * history / bs * block_bytes / 2**20)
+    max_context = -(-(final_len + 1) // bs) * bs
+    per_conv = -(-final_len // bs) * block_bytes
+    host_cache_mib = max(16, math.ceil(1.5 * conversations * per_conv / 2**20))
+    return kv_memory_mib, max_context, per_conv, host_cache_mib
+
+
 def _drop_page_cache(folder: Path) -> int:
     """Asks the OS to drop the folder's files from its page cache; returns the bytes dropped."""
     total = 0
@@ -273,10 +286,9 @@ async def run_conversations(
         "start_restore_size": memcpy_gb_s(restore_size),
     }
     vocab = int(info["vocab_size"])
-    kv_memory_mib = math.ceil(DEVICE_CONVERSATIONS * history / bs * block_bytes / 2**20)
-    max_context = -(-(final_len + 1) // bs) * bs
-    per_conv = -(-final_len // bs) * block_bytes
-    host_cache_mib = max(16, math.ceil(1.5 * conversations * per_conv / 2**20))
+    kv_memory_mib, max_context, per_conv, host_cache_mib = pool_sizes(
+        conversations, history, final_len, bs, block_bytes
+    )
     disk_cache_mib = 2 * host_cache_mib
     engine_opts: dict[str, Any] = {
         "device": device,
