@@ -162,6 +162,12 @@ def test_llama_server_option_errors(
             "--llama-server needs a GGUF for both servers: --model FILE.gguf or --gguf FILE",
         ),
         (
+            ["--model", str(gguf), "--conversations", "--llama-server", str(exe),
+             "--compare", "llama.cpp"],
+            "--llama-server runs the turns through the servers only; --compare and --plot "
+            "belong to the in-process run (without --llama-server)",
+        ),
+        (
             ["--model", str(folder), "--gguf", str(gguf), "--conversations",
              "--llama-server", str(tmp_path / "none")],
             f"--llama-server {tmp_path / 'none'}: not an executable file",

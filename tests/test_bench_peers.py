@@ -108,7 +108,7 @@ def test_missing_reports_the_import_error_through_the_given_importer() -> None:
     assert missing("mistralrs", importer) is None
     assert skip_line("transformers", "No module named 'torch'") == (
         "skipping transformers: not installed (No module named 'torch'); "
-        "install it with: pip install transformers torch"
+        "install it with: pip install 'strata-rs[bench-transformers]'"
     )
 
 

@@ -184,9 +184,9 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PATH",
-        help="with --conversations: then the same turns through `strata-rs serve` and this "
-        "llama-server binary over loopback HTTP, on the same GGUF (--model FILE.gguf or --gguf; "
-        "scripts/build_llama_server.py builds one)",
+        help="with --conversations: run the turns through `strata-rs serve` and this "
+        "llama-server binary over loopback HTTP instead of the Python API, on the same GGUF "
+        "(--model FILE.gguf or --gguf; scripts/build_llama_server.py builds one)",
     )
     b.add_argument(
         "--plot",
@@ -496,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problem is not None:
                 print(f"strata-rs: {problem}", file=sys.stderr)
                 return 2
+            return _bench_server_conversations(args)
         if args.command == "bench" and args.conversations is not None:
             return _bench_conversations(args)
         if args.command == "bench":
@@ -568,11 +569,41 @@ def _check_llama_server(args: argparse.Namespace) -> str | None:
     """Why --llama-server cannot run (checked before a long run), or None."""
     if args.conversations is None:
         return "--llama-server needs --conversations"
+    if args.compare is not None or args.plot is not None:
+        return (
+            "--llama-server runs the turns through the servers only; --compare and --plot "
+            "belong to the in-process run (without --llama-server)"
+        )
     if _given_gguf(args) is None:
         return "--llama-server needs a GGUF for both servers: --model FILE.gguf or --gguf FILE"
     if not os.access(args.llama_server, os.X_OK) or args.llama_server.is_dir():
         return f"--llama-server {args.llama_server}: not an executable file"
     return None
+
+
+def _bench_server_conversations(args: argparse.Namespace) -> int:
+    from strata_rs.bench.conversation_servers import (
+        print_server_conversations,
+        run_server_conversations,
+    )
+
+    gguf = _given_gguf(args)
+    assert gguf is not None  # _check_llama_server
+    result = asyncio.run(
+        run_server_conversations(
+            gguf,
+            args.llama_server,
+            conversations=args.conversations,
+            history=args.history,
+            new_tokens=args.new_tokens,
+            rounds=args.rounds,
+            threads=args.threads,
+        )
+    )
+    print_server_conversations(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+    return 0
 
 
 def _bench_conversations(args: argparse.Namespace) -> int:
@@ -633,27 +664,6 @@ def _bench_conversations(args: argparse.Namespace) -> int:
         else:
             write_png(result, args.plot, title)
         print(f"plot: {args.plot}")
-    if args.llama_server is not None:
-        from strata_rs.bench.conversation_servers import (
-            print_server_conversations,
-            run_server_conversations,
-        )
-
-        gguf = _given_gguf(args)
-        assert gguf is not None  # _check_llama_server
-        result["servers"] = asyncio.run(
-            run_server_conversations(
-                gguf,
-                args.llama_server,
-                conversations=args.conversations,
-                history=args.history,
-                new_tokens=args.new_tokens,
-                rounds=args.rounds,
-                threads=args.threads,
-            )
-        )
-        print()
-        print_server_conversations(result["servers"])
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2, default=str))
     return 0

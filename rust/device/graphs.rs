@@ -12,7 +12,7 @@
 //! the cache holds only the graphs). The tests below drive the cache with a fake backend that
 //! simulates a device with a fixed amount of memory.
 //!
-//! A graph is an optimization, so nothing here fails a step (DESIGN.md, contract 1): when a graph
+//! A graph is an optimization, so nothing here fails a step (docs/design.md, contract 1): when a graph
 //! cannot be had (no room by configuration, too large for the budget, out of device memory twice,
 //! any other capture failure) [`GraphCache::get_or_capture`] answers [`StepGraph::Uncaptured`] with
 //! the reason, logs one line for a failure, counts it, and the caller runs the step without a

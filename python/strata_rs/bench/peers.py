@@ -2,7 +2,7 @@
 prompts every engine gets.
 
 A peer is optional: when its Python package does not import, it is skipped with a line that
-says how to install it (`pip install 'strata-rs[bench]'` installs all of them). Each peer lives
+says how to install it (`pip install 'strata-rs[bench-all]'` installs all of them). Each peer lives
 in its own module (`peer_llama_cpp`, `peer_transformers`, `peer_mistralrs`) whose docstring
 says what each figure times through that engine's API.
 
@@ -26,9 +26,9 @@ import numpy as np
 
 PEERS = ("llama.cpp", "transformers", "mistralrs")
 INSTALL = {
-    "llama.cpp": "pip install llama-cpp-python gguf",
-    "transformers": "pip install transformers torch",
-    "mistralrs": "pip install mistralrs",
+    "llama.cpp": "pip install 'strata-rs[bench-llama-cpp]'",
+    "transformers": "pip install 'strata-rs[bench-transformers]'",
+    "mistralrs": "pip install 'strata-rs[bench-mistralrs]'",
 }
 # What each peer imports (all must import for the peer to run).
 MODULES = {

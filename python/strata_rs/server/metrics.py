@@ -2,8 +2,8 @@
 server's own histograms (time to first token and inter-token latency as the HTTP client sees them,
 end-to-end latency) and a request counter.
 
-Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and DESIGN.md's for the
-cache (``stats()["cache"]``: bytes and blocks per tier, hits per tier, moves, gate refusals,
+Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and docs/design.md's for
+the cache (``stats()["cache"]``: bytes and blocks per tier, hits per tier, moves, gate refusals,
 corrupt disk files) and the device memory pool (``stats()["memory"]``: bytes in use by device
 and purpose). Every registry is per app, so two apps in one process never share counters.
 """
