@@ -117,7 +117,13 @@ class SamplingParams:
         logprobs: int | bool | None = None,
         n: int = 1,
         skip_special_tokens: bool = True,
-    ) -> None: ...
+        structured_outputs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`structured_outputs` (vLLM's): exactly one of `json` (a JSON schema, or its text),
+        `json_object` (True: any JSON object), `regex`, `choice` (a list of strings) or `grammar`
+        (a Lark grammar); the output then follows it (llguidance). The grammar is compiled when
+        the request is submitted: InvalidRequest names `structured_outputs.<kind>` if it cannot
+        be."""
     @property
     def max_tokens(self) -> int | None:
         """Most tokens to generate; None: until the context is full."""

@@ -138,6 +138,12 @@ def _parser() -> argparse.ArgumentParser:
         "--rounds rounds): the event loop's CPU time and wall overhead per token",
     )
     b.add_argument(
+        "--structured",
+        action="store_true",
+        help="also time structured output: 8 greedy streams all free against half of them "
+        "constrained by a JSON schema (aggregate decode, per-token latency)",
+    )
+    b.add_argument(
         "--serving",
         action="store_true",
         help="also time the async API: aggregate decode with 1/2/4/8 streams, TTFT under load, "
@@ -527,6 +533,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print()
                 print_serving(result["serving"])
+            if args.structured:
+                from strata_rs.bench.structured import print_structured, run_structured
+
+                result["structured"] = asyncio.run(
+                    run_structured(str(args.model), args.threads, rounds=args.rounds)
+                )
+                print()
+                print_structured(result["structured"])
             if args.backends:
                 from strata_rs.bench.backends import print_backends, run_backends
 

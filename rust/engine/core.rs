@@ -16,6 +16,7 @@ use super::scheduler::{Chunk, Scheduler};
 use super::sequence::Sequence;
 use super::stats::EngineStats;
 use super::stop::StopStrings;
+use super::structured::{apply_mask, Constraint, Mask};
 use crate::cache::ConversationCache;
 use crate::device::memory_pool::{MemoryPool, Purpose, Reservation};
 use crate::error::{Result, StrataError};
@@ -64,6 +65,8 @@ pub struct EngineCore {
 
 /// An event and the stream it goes to.
 type Addressed = (UnboundedSender<Event>, Event);
+/// A step's grammar masks, by sequence id.
+type Masks = HashMap<u64, Result<Mask>>;
 
 impl EngineCore {
     /// `memory`: the device's pool, in which the logits buffer is accounted (as workspace).
@@ -145,6 +148,7 @@ impl EngineCore {
                 cached_tokens: 0,
                 max_len,
                 sampler: Sampler::new(p, seed, &req.prompt, vocab),
+                constraint: req.constraint.as_ref().map(Constraint::fork),
                 detok: IncrementalDecoder::new(p.skip_special_tokens),
                 stop: StopStrings::new(p.stop.clone()),
                 stop_ids: stop_ids.clone(),
@@ -200,9 +204,9 @@ impl EngineCore {
             self.deliver();
             return Ok(self.is_idle());
         }
-        let rows = self.forward(&plan)?;
+        let (rows, masks) = self.forward_and_masks(&plan)?;
         self.scheduler.commit(&plan, &mut self.runner.kv);
-        self.sample_and_emit(rows)?;
+        self.sample_and_emit(rows, masks)?;
         self.publish_stats(Some(started.elapsed()), &plan);
         self.deliver();
         Ok(true)
@@ -229,6 +233,48 @@ impl EngineCore {
         let mut queue = lock(&self.delivery);
         queue.append(&mut self.outbox);
         send_all(&mut queue);
+    }
+
+    /// The forward, and beside it, on a thread of their own, the grammar masks of the
+    /// constrained rows it will sample (a mask depends only on the tokens so far, so it need not
+    /// wait for the logits, and a constrained row does not hold up the step).
+    fn forward_and_masks(&mut self, plan: &[Chunk]) -> Result<(Vec<u64>, Masks)> {
+        let mut constrained = Vec::new();
+        for c in plan {
+            if let Some(seq) = self.scheduler.running_mut(c.seq) {
+                if seq.computed + c.len == seq.tokens.len() {
+                    if let Some(constraint) = seq.constraint.take() {
+                        constrained.push((seq.id, constraint));
+                    }
+                }
+            }
+        }
+        if constrained.is_empty() {
+            return Ok((self.forward(plan)?, Masks::new()));
+        }
+        let (rows, computed) = std::thread::scope(|s| {
+            let masks = s.spawn(move || {
+                constrained
+                    .into_iter()
+                    .map(|(id, mut c)| {
+                        let mask = c.mask();
+                        (id, c, mask)
+                    })
+                    .collect::<Vec<_>>()
+            });
+            let rows = self.forward(plan);
+            (rows, masks.join())
+        });
+        let computed = computed
+            .map_err(|_| StrataError::Internal("the grammar mask thread panicked".into()))?;
+        let mut masks = Masks::new();
+        for (id, constraint, mask) in computed {
+            if let Some(seq) = self.scheduler.running_mut(id) {
+                seq.constraint = Some(constraint);
+                masks.insert(id, mask);
+            }
+        }
+        Ok((rows?, masks))
     }
 
     /// Runs the model over the planned chunks; returns the sequences (in plan order) that got a
@@ -266,7 +312,7 @@ impl EngineCore {
         Ok(sampled)
     }
 
-    fn sample_and_emit(&mut self, rows: Vec<u64>) -> Result<()> {
+    fn sample_and_emit(&mut self, rows: Vec<u64>, mut masks: Masks) -> Result<()> {
         let vocab = self.runner.model.config.vocab_size;
         let now = Instant::now();
         let mut finished = Vec::new();
@@ -277,9 +323,26 @@ impl EngineCore {
                 continue;
             };
             let row = &mut self.logits[r * vocab..(r + 1) * vocab];
+            if let Some(c) = seq.constraint.as_mut() {
+                match masks.remove(&id).unwrap_or_else(|| c.mask()) {
+                    Ok(mask) => apply_mask(&mask, row),
+                    Err(e) => {
+                        grammar_failed(seq, e, &mut self.outbox);
+                        continue;
+                    }
+                }
+            }
             let s = seq.sampler.sample(row);
             let tok = s.token;
             seq.tokens.push(tok);
+            let grammar_done = match seq.constraint.as_mut().map(|c| c.accept(tok)) {
+                Some(Ok(done)) => done,
+                Some(Err(e)) => {
+                    grammar_failed(seq, e, &mut self.outbox);
+                    continue;
+                }
+                None => false,
+            };
             if seq.first_token_at.is_none() {
                 seq.first_token_at = Some(now);
                 if seq.index == 0 {
@@ -303,7 +366,8 @@ impl EngineCore {
                     finish = Some(FinishReason::Stop);
                 }
             }
-            if finish.is_none() && seq.tokens.len() >= seq.max_len {
+            // A complete grammar allows nothing more: the output ends as at a stop string.
+            if finish.is_none() && (grammar_done || seq.tokens.len() >= seq.max_len) {
                 let rest = seq.detok.flush(&self.tokenizer)?;
                 let (emit, stopped) = seq.stop.push(&rest);
                 text.push_str(&emit);
@@ -311,7 +375,7 @@ impl EngineCore {
                     text.push_str(&seq.stop.flush());
                 }
                 // Held-back text can settle a stop string only now.
-                finish = Some(if seq.stop.stopped() {
+                finish = Some(if grammar_done || seq.stop.stopped() {
                     FinishReason::Stop
                 } else {
                     FinishReason::Length
@@ -487,4 +551,13 @@ fn send_all(queue: &mut Vec<Addressed>) {
             let _ = to.send(event);
         }
     });
+}
+
+/// A grammar that cannot go on (llguidance's limits, or a token it refuses) ends its request
+/// with the reason; the other requests carry on. The sequence leaves at the next step.
+fn grammar_failed(seq: &mut Sequence, e: StrataError, outbox: &mut Vec<Addressed>) {
+    log::warn!("request {}: {e}", seq.request_id);
+    let why = StrataError::invalid("structured_outputs", e.to_string());
+    outbox.push((seq.events.clone(), Event::Error(why)));
+    seq.cancel.cancel();
 }

@@ -34,6 +34,7 @@ use request::{CancelFlag, Event, Request, SamplingParams};
 use runner::{ModelRunner, Stage};
 use scheduler::Scheduler;
 use stats::EngineStats;
+use structured::Grammars;
 
 pub mod core;
 pub mod doorbell;
@@ -46,6 +47,7 @@ pub mod scheduler;
 pub mod sequence;
 pub mod stats;
 pub mod stop;
+pub mod structured;
 
 /// Tokens in a K/V block.
 pub const BLOCK_SIZE: usize = 16;
@@ -163,6 +165,8 @@ enum Command {
 pub struct Engine {
     info: EngineInfo,
     tokenizer: Arc<Tokenizer>,
+    /// Compiles requests' `structured_outputs` (built on first use).
+    grammars: Grammars,
     /// `None` once closed.
     tx: Option<mpsc::Sender<Command>>,
     thread: Option<JoinHandle<()>>,
@@ -572,9 +576,11 @@ impl Engine {
             .name("strata-engine".into())
             .spawn(move || serve(core, rx))
             .map_err(|e| StrataError::Internal(format!("cannot start the engine thread: {e}")))?;
+        let grammars = Grammars::new(tokenizer.clone(), info.config.vocab_size);
         Ok(Engine {
             info,
             tokenizer,
+            grammars,
             tx: Some(tx),
             thread: Some(thread),
             next_request_id: AtomicU64::new(0),
@@ -589,6 +595,10 @@ impl Engine {
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<Submission> {
         self.check_tokens(&prompt, "prompt")?;
         params.validate(self.info.config.vocab_size)?;
+        let constraint = match &params.structured_outputs {
+            Some(s) => Some(self.grammars.compile(s)?),
+            None => None,
+        };
         let ctx = self.info.max_context;
         if prompt.len() >= ctx {
             return Err(StrataError::ContextOverflow(format!(
@@ -625,6 +635,7 @@ impl Engine {
             id,
             prompt,
             params,
+            constraint,
             events: events_tx,
             cancel: cancel.clone(),
         };

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::structured::{Constraint, StructuredOutput};
 use crate::error::{Result, StrataError};
 
 /// Most alternatives a caller may ask for with each token (OpenAI's limit).
@@ -39,6 +40,8 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     pub n: usize,
     pub skip_special_tokens: bool,
+    /// A grammar the output must follow; compiled when the request is submitted.
+    pub structured_outputs: Option<StructuredOutput>,
 }
 
 impl Default for SamplingParams {
@@ -59,6 +62,7 @@ impl Default for SamplingParams {
             logprobs: None,
             n: 1,
             skip_special_tokens: true,
+            structured_outputs: None,
         }
     }
 }
@@ -282,6 +286,8 @@ pub struct Request {
     pub id: u64,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
+    /// `params.structured_outputs`, compiled.
+    pub constraint: Option<Constraint>,
     pub events: UnboundedSender<Event>,
     pub cancel: CancelFlag,
 }

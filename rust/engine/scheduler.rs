@@ -305,6 +305,7 @@ mod tests {
             index: 0,
             prompt_len: tokens.len(),
             sampler: Sampler::new(&p, 0, &tokens, 100),
+            constraint: None,
             tokens,
             computed: 0,
             table: Vec::new(),

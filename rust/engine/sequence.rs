@@ -6,6 +6,7 @@ use std::time::Instant;
 use super::request::{CancelFlag, Event};
 use super::sampler::Sampler;
 use super::stop::StopStrings;
+use super::structured::Constraint;
 use crate::model::tokenizer::IncrementalDecoder;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -31,6 +32,8 @@ pub struct Sequence {
     /// Most tokens this sequence may hold (prompt + output): `max_tokens` or the context.
     pub max_len: usize,
     pub sampler: Sampler,
+    /// The grammar the output follows, if the request set one.
+    pub constraint: Option<Constraint>,
     pub detok: IncrementalDecoder,
     pub stop: StopStrings,
     /// Token ids that end the choice: EOS (unless ignored) and `stop_token_ids`.

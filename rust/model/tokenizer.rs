@@ -289,6 +289,13 @@ impl Tokenizer {
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
+
+    /// The tokenizer as tokenizer.json text (for a GGUF file: the one built from its metadata).
+    pub fn to_json(&self) -> std::result::Result<String, String> {
+        self.inner
+            .to_string(false)
+            .map_err(|e| format!("cannot serialize the tokenizer: {e}"))
+    }
 }
 
 /// Incremental detokenization for streaming. Each push decodes a small window: the

@@ -6,7 +6,9 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
 use super::args::{bad, lossy, text, token_ids, type_name};
 use super::errors::to_pyerr;
+use super::json::py_to_json;
 use crate::engine::request::{check_float, float_text, SamplingParams};
+use crate::engine::structured::StructuredOutput;
 
 #[pyclass(name = "SamplingParams", module = "strata_rs", frozen)]
 #[derive(Clone)]
@@ -170,6 +172,14 @@ pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyRes
             }
             "n" => p.n = int("n", &v, 1)?,
             "skip_special_tokens" => p.skip_special_tokens = boolean("skip_special_tokens", &v)?,
+            "structured_outputs" => {
+                p.structured_outputs = if none {
+                    None
+                } else {
+                    let json = py_to_json(&v, "structured_outputs")?;
+                    Some(StructuredOutput::from_json(&json).map_err(to_pyerr)?)
+                }
+            }
             other => return Err(bad(other, "unknown sampling parameter")),
         }
     }
@@ -217,7 +227,8 @@ pub fn resolve(
 impl PySamplingParams {
     /// Keyword arguments only: max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
     /// presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, n,
-    /// skip_special_tokens. Checked at once; InvalidRequest names the bad one.
+    /// skip_special_tokens, structured_outputs. Checked at once; InvalidRequest names the bad
+    /// one (a grammar is compiled when the request is submitted).
     #[new]
     #[pyo3(signature = (**kwargs))]
     fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {

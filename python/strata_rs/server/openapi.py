@@ -99,6 +99,25 @@ def _engine_fields(vocab_size: int | None) -> dict[str, dict[str, Any]]:
             **_or_null({"type": "array", "items": _token_id(vocab_size)}),
         },
         "skip_special_tokens": _boolean("extension: leave special tokens out of the text"),
+        "structured_outputs": {
+            "description": "extension (vLLM's): exactly one of json (a JSON schema or its text), "
+            "json_object (true), regex, choice (strings) or grammar (Lark); the output follows it",
+            **_or_null({"type": "object"}),
+        },
+        "response_format": {
+            "description": "text, json_object, or json_schema with json_schema.schema (an object "
+            "or a bool): the output follows it; not with structured_outputs",
+            **_or_null(
+                {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {
+                        "type": {"enum": ["text", "json_object", "json_schema"]},
+                        "json_schema": {"description": "name, schema, strict (schema is used)"},
+                    },
+                }
+            ),
+        },
     }
 
 

@@ -45,6 +45,7 @@ _ENGINE_FIELDS = (
     "ignore_eos",
     "stop_token_ids",
     "skip_special_tokens",
+    "structured_outputs",
 )
 # Accepted and ignored: they do not change the output.
 _IGNORED = (
@@ -63,7 +64,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -74,7 +74,15 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
 }
-_COMMON = ("model", "max_tokens", "stream", "stream_options", "logprobs", *_ENGINE_FIELDS)
+_COMMON = (
+    "model",
+    "max_tokens",
+    "stream",
+    "stream_options",
+    "logprobs",
+    "response_format",
+    *_ENGINE_FIELDS,
+)
 _CHAT_FIELDS = frozenset(
     (
         *_COMMON,
@@ -349,7 +357,45 @@ def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationReques
             kwargs[name] = value
     n = kwargs.get("n", 1)
     req.n = n if isinstance(n, int) and not isinstance(n, bool) else 1
+    _response_format(body, req)
     return req
+
+
+def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
+    """OpenAI's `response_format` as the engine's `structured_outputs` (vLLM's extension, which
+    the engine checks and compiles; its errors are renamed back to this field)."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict):
+        raise invalid("response_format", f"must be an object, got {_type_name(fmt)}")
+    kind = fmt.get("type")
+    if kind == "text":
+        return
+    if "structured_outputs" in req.engine_kwargs:
+        raise invalid("response_format", "cannot be combined with structured_outputs")
+    if kind == "json_object":
+        req.engine_kwargs["structured_outputs"] = {"json_object": True}
+        req.renames["structured_outputs.json_object"] = "response_format"
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise invalid(
+                "response_format.json_schema", f"must be an object, got {_type_name(spec)}"
+            )
+        schema = spec.get("schema")
+        if schema is None:
+            raise invalid("response_format.json_schema.schema", "required")
+        if not isinstance(schema, dict | bool):
+            raise invalid(
+                "response_format.json_schema.schema", f"must be an object, got {_type_name(schema)}"
+            )
+        req.engine_kwargs["structured_outputs"] = {"json": schema}
+        req.renames["structured_outputs.json"] = "response_format.json_schema.schema"
+    else:
+        raise invalid(
+            "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
+        )
 
 
 def _flatten_content(i: int, content: Any) -> Any:
