@@ -237,6 +237,65 @@ def test_api_key_from_the_environment(model_dir: MakeModel) -> None:
         assert s.stop() == 0
 
 
+def test_cors_only_for_the_allowed_origins(model_dir: MakeModel) -> None:
+    """`--allowed-origins`: a browser preflight from an allowed origin is answered before the
+    API key is asked for, and the answers carry the CORS headers; another origin gets none.
+    Without the flag no answer has CORS headers."""
+    app = "https://app.example"
+    s = Server(
+        serve_argv("--model", str(model_dir("llama")), "--allowed-origins", f"{app}/"),
+        env={"STRATA_API_KEY": "k3y"},
+    )
+    try:
+        s.wait_healthy()
+        preflight = {"Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"}  # fmt: skip
+        r = httpx.options(s.url + "/v1/chat/completions", headers={"Origin": app, **preflight})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == app
+        assert set(r.headers["access-control-allow-methods"].split(", ")) == {"GET", "POST"}
+        assert r.headers["access-control-max-age"] == "600"
+        other = httpx.options(
+            s.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight}
+        )
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        auth = {"Authorization": "Bearer k3y"}
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": app, **auth})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app
+        # The key is still required: a 401 from the allowed origin, readable by its page.
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": app})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == app
+        r = httpx.get(s.url + "/v1/models", headers={"Origin": "https://evil.example", **auth})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        assert s.stop() == 0
+    plain = Server(serve_argv("--model", str(model_dir("llama"))))
+    try:
+        plain.wait_healthy()
+        r = httpx.get(plain.url + "/v1/models", headers={"Origin": app})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = httpx.options(plain.url + "/v1/models", headers={"Origin": app, **preflight})
+        assert r.status_code == 405
+    finally:
+        assert plain.stop() == 0
+
+
+def test_allowed_origins_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from strata_rs.cli import main
+
+    for value, why in [
+        ("app.example", "expected origins such as https://app.example (scheme and host), "
+                        "got 'app.example'"),
+        ("https://a.example/path", "expected origins such as https://app.example (scheme and "
+                                   "host), got 'https://a.example/path'"),
+        ("*,https://a.example", "* allows any origin: give it alone"),
+        (",", "expected a comma-separated list of origins, got ','"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            main(["serve", "--allowed-origins", value])
+        assert f"argument --allowed-origins: {why}" in capsys.readouterr().err
+
+
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir: MakeModel) -> None:
     model = model_dir("llama", max_position_embeddings=4096)
     (ref,) = reference(model, [[5, 6, 7]], max_tokens=2500, temperature=0, ignore_eos=True)

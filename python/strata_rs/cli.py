@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,23 @@ KV_DTYPE_HELP = (
     "f16's memory, so twice the context and conversations in every cache tier); default: f32 "
     "for f32 weights, else f16"
 )
+
+
+def _origin_list(text: str) -> tuple[str, ...]:
+    """`https://a.example,http://localhost:5173` -> its origins; `*` alone allows any."""
+    origins = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of origins, got {text!r}"
+        )
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise argparse.ArgumentTypeError(
+                f"expected origins such as https://app.example (scheme and host), got {o!r}"
+            )
+    if "*" in origins and len(origins) > 1:
+        raise argparse.ArgumentTypeError("* allows any origin: give it alone")
+    return origins
 
 
 def _int_list(text: str) -> list[int]:
@@ -329,6 +347,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also log each request's prompt and the full error messages, which can quote it "
         "(off by default: the log never holds what users wrote)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_origin_list,
+        default=(),
+        metavar="ORIGIN,...",
+        help="browser origins whose pages may call the API (CORS), e.g. "
+        "https://app.example,http://localhost:5173, or * for any; default: none (no CORS headers)",
     )
 
     c = sub.add_parser(
@@ -718,6 +744,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         served_model_name=args.served_model_name,
         log_prompts=args.log_prompts,
+        allowed_origins=args.allowed_origins,
     )
 
 

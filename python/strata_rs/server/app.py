@@ -24,6 +24,8 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -66,6 +68,9 @@ class Settings:
     # Log each request's prompt and the full text of error messages (which can quote what the
     # client sent). Off: the log has sizes, timings, status codes and field names only.
     log_prompts: bool = False
+    # Browser origins (`https://app.example`, or `*`) whose pages may call the API: CORS headers,
+    # preflights answered before authentication. Empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
 
 
 def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
@@ -795,9 +800,23 @@ def create_app(engine: EngineSource, settings: Settings | None = None) -> Starle
         Route("/metrics", metrics, methods=["GET"]),
         Route("/openapi.json", openapi_json, methods=["GET"]),
     ]
+    middleware = []
+    if settings.allowed_origins:
+        # Starlette's own: it answers preflights (which browsers send without the API key) and
+        # adds the headers to every answer for an allowed origin.
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+                max_age=600,
+            )
+        )
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=middleware,
         exception_handlers={HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.strata = state

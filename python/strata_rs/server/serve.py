@@ -120,6 +120,7 @@ def serve(
     log_level: str = "info",
     served_model_name: str | None = None,
     log_prompts: bool = False,
+    allowed_origins: tuple[str, ...] = (),
 ) -> int:
     """What `strata-rs serve` runs; returns the process's exit status."""
     from strata_rs import Engine
@@ -153,6 +154,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         demo=demo,
         log_prompts=log_prompts,
+        allowed_origins=allowed_origins,
     )
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
