@@ -7,7 +7,8 @@
 //!
 //! Why an eventfd and not a socket pair or a pipe: those wake their reader "synchronously", a
 //! hint that makes Linux run the woken event loop on the engine thread's core, pre-empting the
-//! engine (measured: 25 µs per step with a core free). An eventfd wakes it like any other thread.
+//! engine even with a core free (docs/benchmarks.md, "Figures behind code comments"). An
+//! eventfd wakes it like any other thread.
 //!
 //! A thread that sends a batch of events (a step's deltas, `engine::core::send_all`) wraps the
 //! sends in [`deferring_rings`]: the wake-ups those sends cause ring once each at the end of the

@@ -4,7 +4,8 @@
 //! A stream's next chunk used to travel engine thread → tokio worker (awaiting the channel) →
 //! blocking thread (attaching to Python) → `call_soon_threadsafe` → event loop: three thread
 //! wake-ups per token and stream, each taking CPU from the compute threads on a small machine
-//! (measured: the engine spent 30–60 µs per step waking that chain).
+//! (docs/benchmarks.md, "Figures behind code comments": what the engine spent per step waking
+//! that chain).
 //!
 //! Now the event loop's thread polls the channels itself. Each loop has one dispatcher, with a
 //! `Doorbell` (an eventfd, `rust/engine/doorbell.rs`) that the loop watches (`add_reader`) and

@@ -13,7 +13,8 @@
 //!   coarse rayon tasks; every weight row is streamed from memory once, widened to f32 in
 //!   registers and dotted against all `n` input rows. On AVX-512, 4-row x 4-token register
 //!   tiles; for 5..=16 tokens and rows of at most 768 columns, 3-row x 8-token tiles, which
-//!   widen each weight vector once per 8 tokens (n = 8, [1536, 576] bf16: 64 against 73 us).
+//!   widen each weight vector once per 8 tokens (faster at n = 8: docs/benchmarks.md, "Figures
+//!   behind code comments").
 //! - **Panels** (larger `n`): compute bound. Weights are widened (bf16/f16) or copied (f32) one
 //!   panel of rows at a time into a 64-byte aligned per-task f32 scratch panel (allocated once in
 //!   [`MatmulScratch`]; widening is exact, so the arithmetic is unchanged), which stays in L2
@@ -36,8 +37,8 @@ use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Up to this many tokens use the stream driver, above it the panel driver (same arithmetic:
-/// this is a speed choice only). Measured on the 2-core Sapphire Rapids box (bf16 [1536, 576]
-/// and [576, 1536], cached): even at n = 16, the panel driver 1.3x faster at n = 32, 1.5x at 64.
+/// this is a speed choice only): the two are even at n = 16, and the panel driver is ahead from
+/// n = 32 (docs/benchmarks.md, "Figures behind code comments").
 pub const SMALL_N_MAX: usize = 32;
 
 /// f32 bytes per panel (at most): a panel stays in L2 while a block of tokens passes it.
