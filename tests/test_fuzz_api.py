@@ -120,6 +120,19 @@ SAMPLING_FIELDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]
     "logprobs": (st.none() | st.booleans() | st.integers(0, 20), EDGE_INTS | JUNK),
     "n": (st.integers(1, 3), st.integers(-2, 70) | EDGE_INTS | JUNK),
     "skip_special_tokens": (st.booleans(), JUNK),
+    # Grammars that compile and that any output can follow to its end within the context.
+    "structured_outputs": (
+        st.none()
+        | st.fixed_dictionaries(
+            {"choice": st.lists(st.text(min_size=1, max_size=6), min_size=1, max_size=3)}
+        )
+        | st.sampled_from([{"regex": "[a-z]{1,4}"}, {"json": {"enum": [1, "a", None]}}]),
+        JUNK
+        | st.dictionaries(st.text(max_size=12), st.text(max_size=12) | JUNK, max_size=3)
+        | st.fixed_dictionaries({"regex": st.text(max_size=12)})
+        | st.fixed_dictionaries({"grammar": st.text(max_size=24)})
+        | st.fixed_dictionaries({"json": st.text(max_size=24) | JUNK}),
+    ),
 }
 # Keyword names no call takes (a real parameter name as a keyword is a Python TypeError).
 RESERVED = {"prompt", "messages", "params", "add_generation_prompt", "chat_template_kwargs"}

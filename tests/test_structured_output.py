@@ -33,8 +33,9 @@ def tiny(model_dir: Callable[..., Path]) -> Path:
 async def test_choice_and_regex_on_a_random_model(tiny: Path) -> None:
     engine = await strata_rs.Engine.load(tiny)
     try:
-        choices = ["yes", "no", "maybe not", 'a "quoted" (one)']
-        for seed in range(6):
+        # Multi-byte characters too: a grammar then forces bytes that end inside a character.
+        choices = ["yes", "no", "maybe not", 'a "quoted" (one)', "ࠀ", "ab中", "😀", "é"]
+        for seed in range(12):
             out = await engine.complete(
                 "Is it?", max_tokens=30, temperature=1.0, seed=seed,
                 structured_outputs={"choice": choices},

@@ -153,11 +153,15 @@ impl TokenizerEnv for EngineTokEnv {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
-        // Asked for a grammar's literals, which are text; a tokenizer error leaves the literal
-        // to be matched byte by byte through the trie instead.
-        self.tokenizer
-            .encode(&String::from_utf8_lossy(s), false)
-            .unwrap_or_default()
+        // Asked for a grammar's literals and for bytes it forces, which can end inside a UTF-8
+        // character: valid text goes through the tokenizer, any other bytes through the trie
+        // (a lossy conversion would turn them into U+FFFD's bytes). A tokenizer error also
+        // falls back to the trie.
+        self.trie.tokenize_with_greedy_fallback(s, |text| {
+            self.tokenizer
+                .encode(text, false)
+                .unwrap_or_else(|_| self.trie.greedy_tokenize(text.as_bytes()))
+        })
     }
 }
 
