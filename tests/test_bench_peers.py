@@ -382,7 +382,7 @@ async def test_llama_cpp_greedy_equals_ours(
 @pytest.mark.anyio
 @pytest.mark.skipif(
     not any(installed(p) for p in ("transformers", "mistralrs", "llama.cpp")),
-    reason="needs at least one peer: pip install 'strata-rs[bench]'",
+    reason="needs at least one peer: pip install 'strata-rs[bench-all]'",
 )
 async def test_compare_with_installed_peers_has_their_fields(
     model_dir: Callable[..., Path], tmp_path: Path

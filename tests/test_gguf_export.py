@@ -25,7 +25,7 @@ except ImportError:
     llama_cpp = None
 
 needs_llama_cpp = pytest.mark.skipif(
-    llama_cpp is None, reason="needs llama-cpp-python: pip install 'strata-rs[bench]'"
+    llama_cpp is None, reason="needs llama-cpp-python: pip install 'strata-rs[bench-llama-cpp]'"
 )
 
 from strata_rs.bench.gguf_export import export_gguf  # noqa: E402
