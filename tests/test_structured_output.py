@@ -266,3 +266,76 @@ def test_openai_parse_with_a_pydantic_model(smollm2_server: Any) -> None:
     assert body["message"] == (
         "response_format.type: must be text, json_object or json_schema, got 'yaml'"
     )
+
+    # logit_bias, OpenAI's shape (string keys): token 28 forced at every step.
+    forced = client.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", prompt="Hi", max_tokens=3, logit_bias={"28": 100}
+    )
+    import httpx
+
+    expected = httpx.post(smollm2_server.url + "/detokenize", json={"tokens": [28, 28, 28]})
+    assert forced.choices[0].text == expected.json()["prompt"]
+
+
+# -- logit_bias, and logprobs under a grammar ------------------------------------------------------
+
+
+async def test_logit_bias_bans_and_forces_tokens(tiny: Path) -> None:
+    import numpy as np
+
+    engine = await strata_rs.Engine.load(tiny)
+    try:
+        prompt = [5, 17, 99, 3]
+        free = await engine.complete(prompt, max_tokens=6, temperature=0, ignore_eos=True)
+        first = free.token_ids[0]
+        # Banned, the greedy pick is the runner-up of the raw logits.
+        logits = (await engine.logits(prompt))[-1]
+        runner_up = int(np.argsort(-logits, kind="stable")[1])
+        banned = await engine.complete(
+            prompt, max_tokens=1, temperature=0, logit_bias={first: -100}
+        )
+        assert banned.token_ids == [runner_up]
+        # Forced (ids as JSON's string keys too), at any temperature.
+        for seed in range(4):
+            forced = await engine.complete(
+                prompt, max_tokens=3, temperature=1.0, seed=seed, ignore_eos=True,
+                logit_bias={"42": 100},
+            )  # fmt: skip
+            assert forced.token_ids == [42, 42, 42]
+        with pytest.raises(
+            InvalidRequest, match=r"^logit_bias\[7\]: must be a number in \[-100, 100\], got 101$"
+        ):
+            await engine.complete(prompt, max_tokens=1, logit_bias={7: 101})
+        with pytest.raises(InvalidRequest, match=r"^logit_bias: keys must be token ids, got x$"):
+            strata_rs.SamplingParams(logit_bias={"x": 1})
+        vocab = engine.info["vocab_size"]
+        with pytest.raises(
+            InvalidRequest, match=rf"^logit_bias\[{vocab}\]: token id {vocab} is outside"
+        ):
+            await engine.complete(prompt, max_tokens=1, logit_bias={vocab: 1})
+    finally:
+        await engine.close()
+
+
+async def test_logprobs_under_a_grammar_are_the_raw_models(tiny: Path) -> None:
+    """A constrained token's logprob is the raw logits' log-softmax, not renormalized over the
+    grammar's allowed tokens (as vLLM reports by default)."""
+    import numpy as np
+
+    engine = await strata_rs.Engine.load(tiny)
+    try:
+        prompt = [5, 17, 99, 3]
+        out = await engine.complete(
+            prompt, max_tokens=1, temperature=0, logprobs=2,
+            structured_outputs={"choice": ["zebra"]},
+        )  # fmt: skip
+        logits = (await engine.logits(prompt))[-1].astype(np.float64)
+        log_softmax = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        (entry,) = out.logprobs or []
+        assert entry["token_id"] == out.token_ids[0]
+        assert abs(entry["logprob"] - log_softmax[entry["token_id"]]) < 1e-5
+        # The top alternatives are the raw model's, whatever the grammar allowed.
+        top = np.argsort(-logits, kind="stable")[:2]
+        assert [t["token_id"] for t in entry["top_logprobs"]] == [int(t) for t in top]
+    finally:
+        await engine.close()

@@ -118,12 +118,14 @@ class SamplingParams:
         n: int = 1,
         skip_special_tokens: bool = True,
         structured_outputs: Mapping[str, Any] | None = None,
+        logit_bias: Mapping[int | str, float] | None = None,
     ) -> None:
         """`structured_outputs` (vLLM's): exactly one of `json` (a JSON schema, or its text),
         `json_object` (True: any JSON object), `regex`, `choice` (a list of strings) or `grammar`
         (a Lark grammar); the output then follows it (llguidance). The grammar is compiled when
         the request is submitted: InvalidRequest names `structured_outputs.<kind>` if it cannot
-        be."""
+        be. `logit_bias` (OpenAI's): token id (an int or its decimal string) -> a bias in
+        [-100, 100] added to its logit before sampling; logprobs stay those of the raw logits."""
     @property
     def max_tokens(self) -> int | None:
         """Most tokens to generate; None: until the context is full."""

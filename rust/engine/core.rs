@@ -324,16 +324,21 @@ impl EngineCore {
                 continue;
             };
             let row = &mut self.logits[r * vocab..(r + 1) * vocab];
-            if let Some(c) = seq.constraint.as_mut() {
-                match masks.remove(&id).unwrap_or_else(|| c.mask()) {
-                    Ok(mask) => apply_mask(&mask, row),
+            let mask = match seq.constraint.as_mut() {
+                Some(c) => match masks.remove(&id).unwrap_or_else(|| c.mask()) {
+                    Ok(mask) => Some(mask),
                     Err(e) => {
                         grammar_failed(seq, e, &mut self.outbox);
                         continue;
                     }
+                },
+                None => None,
+            };
+            let s = seq.sampler.sample_with(row, |row| {
+                if let Some(mask) = &mask {
+                    apply_mask(mask, row);
                 }
-            }
-            let s = seq.sampler.sample(row);
+            });
             let tok = s.token;
             seq.tokens.push(tok);
             let grammar_done = match seq.constraint.as_mut().map(|c| c.accept(tok)) {

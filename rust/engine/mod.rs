@@ -149,7 +149,7 @@ pub struct EngineInfo {
 }
 
 enum Command {
-    Submit(Request),
+    Submit(Box<Request>),
     /// Makes the next step panic, as a bug would: tests the fault path end to end.
     InjectFault,
     Logits {
@@ -639,7 +639,7 @@ impl Engine {
             events: events_tx,
             cancel: cancel.clone(),
         };
-        if tx.send(Command::Submit(req)).is_err() {
+        if tx.send(Command::Submit(Box::new(req))).is_err() {
             self.queued.fetch_sub(1, Ordering::AcqRel);
             return Err(self.stopped_error());
         }
@@ -846,7 +846,7 @@ fn handle(core: &mut EngineCore, cmd: Command) {
     match cmd {
         Command::Submit(req) => {
             core.count_prompt(req.prompt.len());
-            core.add_request(req);
+            core.add_request(*req);
         }
         Command::InjectFault => core.inject_fault = true,
         Command::Logits { ids, reply } => {

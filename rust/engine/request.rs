@@ -42,6 +42,9 @@ pub struct SamplingParams {
     pub skip_special_tokens: bool,
     /// A grammar the output must follow; compiled when the request is submitted.
     pub structured_outputs: Option<StructuredOutput>,
+    /// Added to a token's logit before sampling (OpenAI's `logit_bias`, in [-100, 100]): -100
+    /// all but bans a token, 100 all but forces it. Logprobs stay those of the raw logits.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -63,6 +66,7 @@ impl Default for SamplingParams {
             n: 1,
             skip_special_tokens: true,
             structured_outputs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -98,6 +102,21 @@ impl SamplingParams {
                 "stop_token_ids",
                 format!("token id {bad} is outside the vocabulary (size {vocab_size})"),
             ));
+        }
+        for &(token, bias) in &self.logit_bias {
+            let field = format!("logit_bias[{token}]");
+            if token as usize >= vocab_size {
+                return Err(StrataError::invalid(
+                    field,
+                    format!("token id {token} is outside the vocabulary (size {vocab_size})"),
+                ));
+            }
+            if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+                return Err(StrataError::invalid(
+                    field,
+                    format!("must be a number in [-100, 100], got {bias}"),
+                ));
+            }
         }
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {

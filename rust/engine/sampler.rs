@@ -45,6 +45,7 @@ pub struct Sampler {
     presence_penalty: f32,
     frequency_penalty: f32,
     logprobs: Option<usize>,
+    logit_bias: Vec<(u32, f32)>,
     vocab: usize,
     rng: Xoshiro256StarStar,
     /// Whether `rep_seen` / `rep_tokens` are kept (repetition_penalty != 1).
@@ -110,6 +111,7 @@ impl Sampler {
             presence_penalty: params.presence_penalty,
             frequency_penalty: params.frequency_penalty,
             logprobs: params.logprobs,
+            logit_bias: params.logit_bias.clone(),
             vocab,
             rng: Xoshiro256StarStar::from_seed(seed),
             rep_active,
@@ -135,11 +137,27 @@ impl Sampler {
     /// Picks the next token from one row of raw model logits (the slice may be used as scratch and
     /// overwritten), records it in the penalty state, and returns it.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        self.sample_with(logits, |_| {})
+    }
+
+    /// `sample`, with `constrain` (a grammar's mask) applied to the logits after the raw
+    /// logprobs are taken and before the bias, the penalties and the pick.
+    pub fn sample_with(
+        &mut self,
+        logits: &mut [f32],
+        constrain: impl FnOnce(&mut [f32]),
+    ) -> Sampled {
         if self.logprobs.is_some() {
             // Logprobs are of the raw logits, which the steps below overwrite.
             self.raw.clear();
             self.raw.extend_from_slice(logits);
             clean_in_place(&mut self.raw);
+        }
+        constrain(logits);
+        for &(token, bias) in &self.logit_bias {
+            if let Some(x) = logits.get_mut(token as usize) {
+                *x += bias;
+            }
         }
         self.apply_penalties(logits);
         let token = if self.greedy {

@@ -108,6 +108,39 @@ fn strings(field: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     ))
 }
 
+/// `{token id: bias}`: ids as ints, or as the decimal strings a JSON object's keys are (OpenAI's
+/// shape); biases are numbers (ranges are `SamplingParams::validate`'s). Sorted by id.
+fn logit_bias(v: &Bound<'_, PyAny>) -> PyResult<Vec<(u32, f32)>> {
+    let dict = v.cast::<PyDict>().map_err(|_| {
+        bad(
+            "logit_bias",
+            format!("must be a dict of token id -> bias, got {}", type_name(v)),
+        )
+    })?;
+    let mut out = Vec::with_capacity(dict.len());
+    for (key, value) in dict.iter() {
+        let id: Option<i64> = if key.is_instance_of::<PyBool>() {
+            None
+        } else if key.is_instance_of::<PyInt>() {
+            key.extract().ok()
+        } else if let Ok(s) = key.cast::<PyString>() {
+            s.to_str().ok().and_then(|s| s.parse().ok())
+        } else {
+            None
+        };
+        let shown = lossy(&key);
+        let id = id
+            .and_then(|i| u32::try_from(i).ok())
+            .ok_or_else(|| bad("logit_bias", format!("keys must be token ids, got {shown}")))?;
+        let field = format!("logit_bias[{id}]");
+        let bias = float(&field, &value)?;
+        out.push((id, bias));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    out.dedup_by_key(|&mut (id, _)| id);
+    Ok(out)
+}
+
 /// Applies keyword arguments to `p`, checking each; an unknown keyword is an error.
 pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyResult<()> {
     for (k, v) in kwargs.iter() {
@@ -172,6 +205,9 @@ pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyRes
             }
             "n" => p.n = int("n", &v, 1)?,
             "skip_special_tokens" => p.skip_special_tokens = boolean("skip_special_tokens", &v)?,
+            "logit_bias" => {
+                p.logit_bias = if none { Vec::new() } else { logit_bias(&v)? };
+            }
             "structured_outputs" => {
                 p.structured_outputs = if none {
                     None
@@ -227,7 +263,7 @@ pub fn resolve(
 impl PySamplingParams {
     /// Keyword arguments only: max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
     /// presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, n,
-    /// skip_special_tokens, structured_outputs. Checked at once; InvalidRequest names the bad
+    /// skip_special_tokens, structured_outputs, logit_bias. Checked at once; InvalidRequest names the bad
     /// one (a grammar is compiled when the request is submitted).
     #[new]
     #[pyo3(signature = (**kwargs))]

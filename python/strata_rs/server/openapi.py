@@ -99,6 +99,16 @@ def _engine_fields(vocab_size: int | None) -> dict[str, dict[str, Any]]:
             **_or_null({"type": "array", "items": _token_id(vocab_size)}),
         },
         "skip_special_tokens": _boolean("extension: leave special tokens out of the text"),
+        "logit_bias": {
+            "description": "token id (a decimal string) -> bias added to its logit, in [-100, 100]",
+            **_or_null(
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": "^[0-9]+$"},
+                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                }
+            ),
+        },
         "structured_outputs": {
             "description": "extension (vLLM's): exactly one of json (a JSON schema or its text), "
             "json_object (true), regex, choice (strings) or grammar (Lark); the output follows it",

@@ -46,6 +46,7 @@ _ENGINE_FIELDS = (
     "stop_token_ids",
     "skip_special_tokens",
     "structured_outputs",
+    "logit_bias",
 )
 # Accepted and ignored: they do not change the output.
 _IGNORED = (
@@ -64,7 +65,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
