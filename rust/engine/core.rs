@@ -216,9 +216,9 @@ impl EngineCore {
     /// consumers' event loops, and the woken Python thread tends to preempt the thread that
     /// woke it: on the engine thread that holds up the next step's scheduling for as long as
     /// Python handles its chunks (docs/benchmarks.md, "Figures behind code comments"); on a
-    /// compute thread, idle
-    /// between forwards, the two overlap. One queue, drained in order under its lock, keeps
-    /// every stream's events in step order whichever thread runs which job.
+    /// compute thread, idle between forwards, the two overlap. One queue, drained in order
+    /// under its lock, keeps every stream's events in step order whichever thread runs which
+    /// job.
     fn deliver(&mut self) {
         if self.outbox.is_empty() {
             return;
