@@ -80,8 +80,7 @@ fn zeroed_block(bytes: usize) -> std::result::Result<Vec<u8>, String> {
 /// Maps the pages of `buf`'s fresh capacity in one call. A block is larger than malloc's mmap
 /// threshold, so its pages are new, and faulting them in one by one as they are first written
 /// cost several times the copy itself (docs/benchmarks.md, "Figures behind code comments").
-/// Best effort:
-/// kernels before 5.14 refuse the advice and the pages fault in as before.
+/// Best effort: kernels before 5.14 refuse the advice and the pages fault in as before.
 fn prefault(buf: &mut Vec<u8>) {
     #[cfg(target_os = "linux")]
     {

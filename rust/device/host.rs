@@ -7,9 +7,9 @@
 //! refuses: guessing wrong here means the OOM killer, so the gate never guesses.
 //!
 //! Reading the telemetry costs about a third of offloading one block (/proc/meminfo is generated
-//! on each read; docs/benchmarks.md, "Figures behind code comments"). So the system gate lets one reading serve
-//! admissions for up to a second and up to 64 MiB, each counted against it; a refusal is always
-//! decided on a fresh reading. What others allocate within that second is what the floor
+//! on each read; docs/benchmarks.md, "Figures behind code comments"). So the system gate lets
+//! one reading serve admissions for up to a second and up to 64 MiB, each counted against it; a
+//! refusal is always decided on a fresh reading. What others allocate within that second is what the floor
 //! (`host_min_free_mib`, 1 GiB by default) is there for; 64 MiB is a small part of it.
 
 use std::fmt;
