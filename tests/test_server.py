@@ -342,6 +342,62 @@ async def test_n_choices_prompt_batches_seeds_and_stop(model_dir: MakeModel) -> 
         await engine.close()
 
 
+async def test_echo_scores_the_prompt(model_dir: MakeModel) -> None:
+    """`echo` (lm-eval's loglikelihood): the prompt's tokens with the log-softmax of the logits
+    before each (the first null), equal to `engine.logits` within 1e-5; with max_tokens 0
+    nothing is generated; with more, the generated part is the plain request's."""
+    import numpy as np
+
+    model = model_dir("llama")
+    ids = [30 + 7 * i for i in range(10)]
+    engine = await Engine.load(model)
+    try:
+        logits = (await engine.logits(ids)).astype(np.float64)
+        lse = logits.max(axis=1) + np.log(np.exp(logits - logits.max(axis=1, keepdims=True)).sum(1))
+        expected = [logits[i - 1, ids[i]] - lse[i - 1] for i in range(1, len(ids))]
+        async with asgi_client(engine) as client:
+            body = {"prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 2}
+            got = (await client.post(COMPLETIONS, json=body)).json()
+            (choice,) = got["choices"]
+            assert choice["text"] == engine.tokenizer.decode(ids)
+            assert choice["finish_reason"] == "length"
+            lp = choice["logprobs"]
+            assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert np.allclose(lp["token_logprobs"][1:], expected, atol=1e-5, rtol=0)
+            assert lp["tokens"] == [engine.tokenizer.decode([t]) for t in ids]
+            for i in range(1, len(ids)):
+                top = np.argsort(-logits[i - 1], kind="stable")[:2]
+                want = [engine.tokenizer.decode([int(t)]) for t in top]
+                assert list(lp["top_logprobs"][i]) == list(dict.fromkeys(want))
+            assert got["usage"] == {
+                "prompt_tokens": 10, "completion_tokens": 0, "total_tokens": 10,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            }  # fmt: skip
+
+            # With generation: the prompt's text and entries, then the plain request's.
+            plain = {"prompt": ids, "max_tokens": 3, "temperature": 0, "logprobs": 1}
+            alone = (await client.post(COMPLETIONS, json=plain)).json()["choices"][0]
+            both = (await client.post(COMPLETIONS, json={**plain, "echo": True})).json()
+            (choice,) = both["choices"]
+            assert choice["text"] == engine.tokenizer.decode(ids) + alone["text"]
+            assert choice["logprobs"]["token_logprobs"][10:] == alone["logprobs"]["token_logprobs"]
+            assert np.allclose(choice["logprobs"]["token_logprobs"][1:10], expected, atol=1e-5)
+
+            # Text prompts are echoed as sent; stream and a bad field are refused.
+            text = (await client.post(COMPLETIONS, json={"prompt": "abc de", "echo": True,
+                                                         "max_tokens": 0})).json()  # fmt: skip
+            assert text["choices"][0]["text"] == "abc de"
+            bad = await client.post(COMPLETIONS, json={**body, "stream": True})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["message"] == "echo: not supported with stream yet"
+            bad = await client.post(COMPLETIONS, json={**body, "temperature": -1})
+            assert bad.json()["error"]["message"] == "temperature: must be >= 0, got -1"
+            bad = await client.post(COMPLETIONS, json={**body, "echo": False})
+            assert bad.json()["error"]["message"] == "max_tokens: must be >= 1, got 0"
+    finally:
+        await engine.close()
+
+
 async def test_logprobs_in_both_shapes(model_dir: MakeModel) -> None:
     model = model_dir("qwen3")
     ids = [30 + i for i in range(12)]
@@ -662,9 +718,16 @@ INVALID: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
     ),
     (
         COMPLETIONS,
-        {"prompt": "hi", "echo": True},
-        "echo: not supported by this server",
+        {"prompt": "hi", "echo": "yes"},
+        "echo: must be a boolean, got string",
         "echo",
+        None,
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "logit_bias": {"3": "x"}},
+        "logit_bias[3]: must be a number, got str",
+        "logit_bias[3]",
         None,
     ),
     (

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -34,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from strata_rs import (
     Engine,
     InvalidRequest,
+    SamplingParams,
     StrataError,
     StreamChunk,
     TokenStream,
@@ -461,6 +463,65 @@ async def _collect(
     return [choices[k] for k in sorted(choices)]
 
 
+Echo = tuple[str, list[int], list[dict[str, Any]]]
+
+
+def _check_sampling(kwargs: dict[str, Any], req: GenerationRequest) -> None:
+    try:
+        SamplingParams(**kwargs)
+    except StrataError as e:
+        raise protocol.engine_error(e, req.renames) from None
+
+
+def _prompt_logprobs(engine: Engine, logits: Any, ids: list[int], top: int) -> list[dict[str, Any]]:
+    """Each prompt token's entry, as the engine gives a generated token's: its log-softmax under
+    the logits of the position before it (the first token has none: null), and the `top` most
+    likely alternatives there, ties by lower id. A row at a time in f64, so that a long prompt
+    does not hold a second copy of its logits."""
+    tok = engine.tokenizer
+
+    def piece(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False)
+
+    entries: list[dict[str, Any]] = [
+        {"token_id": ids[0], "token": piece(ids[0]), "logprob": None, "top_logprobs": None}
+    ]
+    for i in range(1, len(ids)):
+        row = logits[i - 1].astype(np.float64)
+        high = row.max()
+        lp = row - (high + np.log(np.exp(row - high).sum()))
+        best = np.argsort(-row, kind="stable")[:top] if top else []
+        entries.append(
+            {
+                "token_id": ids[i],
+                "token": piece(ids[i]),
+                "logprob": float(lp[ids[i]]),
+                "top_logprobs": [
+                    {"token_id": int(t), "token": piece(int(t)), "logprob": float(lp[t])}
+                    for t in best
+                ],
+            }
+        )
+    return entries
+
+
+async def _echoes(engine: Engine, req: GenerationRequest) -> list[Echo]:
+    """`echo`: each prompt's text, ids, and (with logprobs) its tokens' entries, scored by one
+    forward over the prompt (`Engine.logits`)."""
+    out: list[Echo] = []
+    for prompt in req.prompts:
+        if isinstance(prompt, str):
+            text, ids = prompt, engine.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            text = engine.tokenizer.decode(ids, skip_special_tokens=False)
+        entries: list[dict[str, Any]] = []
+        if req.logprobs is not None and ids:
+            entries = _prompt_logprobs(engine, await engine.logits(ids), ids, req.logprobs)
+        out.append((text, ids, entries))
+    return out
+
+
 async def _generate(request: Request, kind: str) -> Response:
     t0 = time.perf_counter()
     state = _state(request)
@@ -471,7 +532,13 @@ async def _generate(request: Request, kind: str) -> Response:
         body = await _json_body(request, state)
         parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
         req = parse(body, state.model_name)
-        streams = _open_streams(engine, req, state.settings.retry_after_seconds, state.max_waiting)
+        streams = []
+        if req.generate:
+            retry_after = state.settings.retry_after_seconds
+            streams = _open_streams(engine, req, retry_after, state.max_waiting)
+        else:
+            # Nothing goes to the engine's queue: check the other sampling fields here.
+            _check_sampling({k: v for k, v in req.engine_kwargs.items() if k != "max_tokens"}, req)
     except ApiError as e:
         _log_error(state, endpoint, e)
         return _error(e, state, endpoint)
@@ -479,15 +546,32 @@ async def _generate(request: Request, kind: str) -> Response:
     if req.stream:
         return _EventStream(progress, streams)
     try:
-        choices = await _collect(progress, streams, request.receive)
+        echoes = await _echoes(engine, req) if req.echo else []
+        if req.generate:
+            choices = await _collect(progress, streams, request.receive)
+            usage = protocol.sum_usage(progress.usages)
+        else:
+            choices = [
+                ChoiceResult(i * req.n + c, finish_reason="length")
+                for i in range(len(req.prompts))
+                for c in range(req.n)
+            ]
+            usage = protocol.usage_body(sum(len(ids) for _, ids, _ in echoes), 0, 0)
     except StrataError as e:
-        err = protocol.engine_error(e)
+        for s in streams:
+            s.cancel()
+        err = protocol.engine_error(e, {"token_ids": "prompt", "text": "prompt"})
         progress.outcome = "error"
         progress.done(err.status)
         _log_error(state, endpoint, err)
         return _json(err.body(), err.status, err.headers)
+    for choice in choices:
+        if echoes:
+            text, _, entries = echoes[choice.index // req.n]
+            choice.text = text + choice.text
+            choice.logprobs = entries + choice.logprobs
     progress.done(200)
-    body_out = protocol.full_response(req, choices, protocol.sum_usage(progress.usages))
+    body_out = protocol.full_response(req, choices, usage)
     return _json(body_out, headers={"x-request-id": req.request_id})
 
 

@@ -180,8 +180,8 @@ def _model_field(served_model: str) -> dict[str, Any]:
     }
 
 
-def _max_tokens(max_context: int | None, description: str) -> dict[str, Any]:
-    bounds: dict[str, int] = {"minimum": 1, "maximum": I64_MAX}
+def _max_tokens(max_context: int | None, description: str, minimum: int = 1) -> dict[str, Any]:
+    bounds: dict[str, int] = {"minimum": minimum, "maximum": I64_MAX}
     if max_context:
         # The prompt has at least one token, and prompt + max_tokens must fit the context.
         bounds["maximum"] = max(1, max_context - 1)
@@ -274,9 +274,15 @@ def _request_schemas(
             },
             "max_tokens": _max_tokens(
                 max_context,
-                f"most tokens to generate (default {protocol.COMPLETIONS_DEFAULT_MAX_TOKENS})",
+                f"most tokens to generate (default {protocol.COMPLETIONS_DEFAULT_MAX_TOKENS}); "
+                "0 only with echo: the prompt is scored, nothing generated",
+                minimum=0,
             ),
             "logprobs": _integer("alternatives per token, with each token's logprob", **top),
+            "echo": _boolean(
+                "the answer starts with the prompt, and with logprobs its tokens' logprobs "
+                "(the first null); not with stream"
+            ),
         },
         (*protocol._COMPLETION_FIELDS, *accepted_extra),
         required=["prompt"],
@@ -377,10 +383,14 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
         "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
         "properties": {
             "tokens": {"type": "array", "items": {"type": "string"}},
-            "token_logprobs": {"type": "array", "items": {"type": "number"}},
+            # null for an echoed prompt's first token, which has nothing before it.
+            "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
             "top_logprobs": {
                 "type": "array",
-                "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                "items": {
+                    "type": ["object", "null"],
+                    "additionalProperties": {"type": "number"},
+                },
             },
             "text_offset": {"type": "array", "items": count},
         },

@@ -65,7 +65,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "modalities": (None, ["text"]),
@@ -93,7 +92,7 @@ _CHAT_FIELDS = frozenset(
         "add_generation_prompt",
     )
 )
-_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
+_COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo"))
 # /tokenize and /detokenize (vLLM's): their fields, all of them.
 TOKENIZE_FIELDS = (
     "model",
@@ -328,6 +327,10 @@ class GenerationRequest:
     n: int = 1
     # Engine field name -> the name the client used, for error messages.
     renames: dict[str, str] = field(default_factory=dict)
+    # completions: the answer starts with the prompt (and its logprobs, when asked for).
+    echo: bool = False
+    # False for echo with max_tokens 0: the prompt is scored, nothing is generated.
+    generate: bool = True
 
 
 def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationRequest:
@@ -517,6 +520,13 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
     kwargs = req.engine_kwargs
     max_tokens = body.get("max_tokens")
     kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    req.echo = bool_field(body, "echo", False)
+    if req.echo:
+        if req.stream:
+            raise invalid("echo", "not supported with stream yet")
+        if type(max_tokens) is int and max_tokens == 0:
+            # Scoring a prompt (lm-eval's loglikelihood): nothing to generate.
+            req.generate = False
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, int) or isinstance(logprobs, bool):
@@ -584,9 +594,13 @@ def completion_logprobs(entries: Sequence[Mapping[str, Any]], offset: int = 0) -
         offset += len(e["token"])
     return {
         "tokens": [e["token"] for e in entries],
-        "token_logprobs": [_lp(e["logprob"]) for e in entries],
+        # An echoed prompt's first token has no logprob (nothing before it): null.
+        "token_logprobs": [None if e["logprob"] is None else _lp(e["logprob"]) for e in entries],
         "top_logprobs": [
-            {t["token"]: _lp(t["logprob"]) for t in e["top_logprobs"]} for e in entries
+            None
+            if e["top_logprobs"] is None
+            else {t["token"]: _lp(t["logprob"]) for t in e["top_logprobs"]}
+            for e in entries
         ],
         "text_offset": offsets,
     }
