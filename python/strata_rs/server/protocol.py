@@ -391,7 +391,8 @@ def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
             raise invalid("response_format.json_schema.schema", "required")
         if not isinstance(schema, dict | bool):
             raise invalid(
-                "response_format.json_schema.schema", f"must be an object, got {_type_name(schema)}"
+                "response_format.json_schema.schema",
+                f"must be an object or a boolean, got {_type_name(schema)}",
             )
         req.engine_kwargs["structured_outputs"] = {"json": schema}
         req.renames["structured_outputs.json"] = "response_format.json_schema.schema"
