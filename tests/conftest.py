@@ -1,16 +1,17 @@
 """Shared pytest fixtures: the async backend, model folders built once per session, and the real
-SmolLM2 (the demo model)."""
+SmolLM2 (the demo model), also behind a server."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 from strata_rs.demo import DemoNotInstalled, demo_model_path
 from strata_rs.testing.models import make_model
+from strata_rs.testing.server import Server, serve_argv
 
 # The default test command draws the same examples on every run, so that a red CI means that a
 # change broke something; STRATA_FUZZ=explore draws new ones each run (to look for bugs).
@@ -55,3 +56,13 @@ def smollm2() -> Path:
         return demo_model_path()
     except DemoNotInstalled as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2: Path) -> Iterator[Server]:
+    """`strata-rs serve` on the real SmolLM2 (1,024-token context), one per test module."""
+    server = Server(serve_argv("--model", str(smollm2), "--max-context", "1024"), echo=False)
+    try:
+        yield server
+    finally:
+        server.stop()

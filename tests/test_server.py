@@ -668,8 +668,15 @@ INVALID: list[tuple[str, dict[str, Any], str, str | None, str | None]] = [
     (
         CHAT,
         {"messages": MSG, "tools": [{"type": "function"}]},
-        "tools: not supported by this server",
-        "tools",
+        "tools[0].function: must be an object, got null",
+        "tools[0].function",
+        None,
+    ),
+    (
+        CHAT,
+        {"messages": MSG, "functions": [{"name": "f"}]},
+        "functions: not supported by this server",
+        "functions",
         None,
     ),
     (COMPLETIONS, {}, "prompt: required", "prompt", None),

@@ -197,17 +197,6 @@ async def test_bad_structured_outputs_are_refused(tiny: Path) -> None:
 # -- through the server: response_format with the real openai client -----------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2: Path) -> Any:
-    from strata_rs.testing.server import Server, serve_argv
-
-    server = Server(serve_argv("--model", str(smollm2), "--max-context", "1024"), echo=False)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def test_openai_parse_with_a_pydantic_model(smollm2_server: Any) -> None:
     import openai
     import pydantic

@@ -356,6 +356,13 @@ def _parser() -> argparse.ArgumentParser:
         help="browser origins whose pages may call the API (CORS), e.g. "
         "https://app.example,http://localhost:5173, or * for any; default: none (no CORS headers)",
     )
+    s.add_argument(
+        "--reasoning-format",
+        choices=("separate", "inline"),
+        default="separate",
+        help="separate (default): a chat answer's <think>...</think> goes to reasoning_content; "
+        "inline: it stays in the content",
+    )
 
     c = sub.add_parser(
         "chat", help="chat with a model in the terminal (without --model: the demo model)"
@@ -745,6 +752,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_prompts=args.log_prompts,
         allowed_origins=args.allowed_origins,
+        reasoning_format=args.reasoning_format,
     )
 
 

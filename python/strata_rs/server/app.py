@@ -41,10 +41,12 @@ from strata_rs import (
     TokenStream,
     validate_messages,
 )
-from strata_rs.server import protocol
+from strata_rs.server import protocol, tools
+from strata_rs.server.message import MessageParser
 from strata_rs.server.metrics import CACHE_GATES, CONTENT_TYPE, TIERS, ServerMetrics
 from strata_rs.server.openapi import openapi_schema
 from strata_rs.server.protocol import ApiError, ChoiceResult, GenerationRequest
+from strata_rs.server.reasoning import ReasoningSplitter, prompt_opens_thinking
 
 logger = logging.getLogger("strata_rs.server")
 
@@ -73,6 +75,9 @@ class Settings:
     # Browser origins (`https://app.example`, or `*`) whose pages may call the API: CORS headers,
     # preflights answered before authentication. Empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # "separate": a chat answer's `<think>...</think>` goes to reasoning_content; "inline": it
+    # stays in the content.
+    reasoning_format: str = "separate"
 
 
 def _json(obj: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
@@ -98,6 +103,13 @@ class ServerState:
         self.metrics = ServerMetrics(self._snapshot)
         # Read once: Engine.info builds a dict on every call, and every request needs this.
         self.max_waiting = engine.info["max_waiting"] if engine is not None else 0
+        self._tool_format: str | None = None
+
+    def tool_format(self, engine: Engine) -> str:
+        """The tool-call format of the model's chat template, found on first use."""
+        if self._tool_format is None:
+            self._tool_format = tools.detect_format(engine.tokenizer)
+        return self._tool_format
 
     def _snapshot(self) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
         if self.engine is None:
@@ -230,12 +242,8 @@ def _open_streams(
         )
     streams: list[TokenStream] = []
     try:
-        if req.kind == "chat":
-            assert req.messages is not None
-            streams.append(engine.chat(req.messages, **req.engine_kwargs))
-        else:
-            for prompt in req.prompts:
-                streams.append(engine.generate(prompt, **req.engine_kwargs))
+        for prompt in req.prompts:
+            streams.append(engine.generate(prompt, **req.engine_kwargs))
     except StrataError as e:
         for s in streams:
             s.cancel()
@@ -379,6 +387,7 @@ class _EventStream(Response):
         gone: list[bool] = []
         watcher = asyncio.ensure_future(_watch_disconnect(receive, self.streams, gone))
         writer = protocol.ChunkWriter(req)
+        parsers: dict[int, MessageParser | None] = {}
         chunks = _merged(self.streams)
         n = req.n
         perf = time.perf_counter
@@ -392,15 +401,22 @@ class _EventStream(Response):
                     if ids:
                         p.tokens(index, len(ids), perf(), True)
                     finish = chunk.finish_reason
-                    if finish is not None:
-                        p.finish[index] = finish
                     if chunk.usage is not None:
                         p.usages.append(chunk.usage)
                     # One event per engine chunk, even when its tokens have no text yet (a
-                    # partial UTF-8 character, a special token): the client sees progress, and
-                    # its TTFT is the engine's.
+                    # partial UTF-8 character, a special token, a tag not yet decided): the
+                    # client sees progress, and its TTFT is the engine's.
                     if ids or finish is not None:
-                        event = writer.delta(index, chunk.text, chunk.logprobs, finish)
+                        if index not in parsers:
+                            parsers[index] = _message_parser(req)
+                        parser = parsers[index]
+                        message = None
+                        if parser is not None:
+                            message = parser.feed(chunk.text, finish is not None)
+                            finish = parser.finish_reason(finish)
+                        if finish is not None:
+                            p.finish[index] = finish
+                        event = writer.delta(index, chunk.text, chunk.logprobs, finish, message)
                         await send({"type": "http.response.body", "body": event, "more_body": True})
                 if gone:
                     p.outcome = "disconnected"
@@ -460,6 +476,12 @@ async def _collect(
             s.cancel()
     if gone:
         p.outcome = "disconnected"
+    for index, c in choices.items():
+        parser = _message_parser(req)
+        if parser is not None:
+            parser.feed(c.text, True)
+            c.message = parser.message()
+            c.finish_reason = p.finish[index] = parser.finish_reason(c.finish_reason)
     return [choices[k] for k in sorted(choices)]
 
 
@@ -522,6 +544,72 @@ async def _echoes(engine: Engine, req: GenerationRequest) -> list[Echo]:
     return out
 
 
+def render_chat(
+    state: ServerState,
+    engine: Engine,
+    messages: list[dict[str, Any]],
+    tool_request: tools.ToolRequest | None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any],
+) -> str:
+    """The messages (and their tools) through the model's chat template, as the prompt's text.
+    Raises InvalidRequest (the messages' shape, the template) or ApiError (tool calls)."""
+    # The checks Engine.chat makes (roles, content), which the template does not.
+    validate_messages(messages)
+    fmt = state.tool_format(engine)
+    messages, template_tools = tools.prepare_messages(messages, tool_request, fmt)
+    kwargs = dict(template_kwargs)
+    if template_tools is not None:
+        kwargs["tools"] = template_tools
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
+
+
+def _prepare_chat(
+    state: ServerState, engine: Engine, req: GenerationRequest, body: Mapping[str, Any]
+) -> None:
+    """Tools, their constraint, and the prompt: the chat's messages rendered into `req.prompts`."""
+    assert req.messages is not None
+    req.tools = tools.parse_tool_request(body)
+    req.tool_format = state.tool_format(engine)
+    req.split_reasoning = state.settings.reasoning_format == "separate"
+    kwargs = req.engine_kwargs
+    if req.tools is not None and req.tools.constrained:
+        if "structured_outputs" in kwargs:
+            other = "response_format" if body.get("response_format") is not None else None
+            raise protocol.invalid(
+                "tool_choice",
+                f"{req.tools.choice!r} cannot be combined with {other or 'structured_outputs'}",
+            )
+        kwargs["structured_outputs"], param = tools.constraint(req.tools)
+        req.renames["structured_outputs.json"] = param
+    elif req.tools is not None and req.tools.choice == "auto" and req.tool_format == "mistral":
+        # Mistral's [TOOL_CALLS] is a special token: kept in the text for the parser.
+        kwargs.setdefault("skip_special_tokens", False)
+    try:
+        text = render_chat(
+            state, engine, req.messages, req.tools, req.add_generation_prompt, req.template_kwargs
+        )
+        req.prompts = [engine.tokenizer.encode(text, add_special_tokens=False)]
+    except StrataError as e:
+        raise protocol.engine_error(e, req.renames) from None
+    req.thinking = prompt_opens_thinking(text)
+
+
+def _message_parser(req: GenerationRequest) -> MessageParser | None:
+    """A chat choice's parser into content, reasoning and tool calls; None when the text is the
+    content as it is."""
+    if req.kind != "chat":
+        return None
+    calls = None
+    if req.tools is not None and req.tools.choice != "none":
+        calls = tools.ToolOutput(req.tools, req.tool_format)
+    constrained = req.tools is not None and req.tools.constrained
+    splitter = ReasoningSplitter(req.thinking) if req.split_reasoning and not constrained else None
+    if calls is None and splitter is None:
+        return None
+    return MessageParser(calls, splitter)
+
+
 async def _generate(request: Request, kind: str) -> Response:
     t0 = time.perf_counter()
     state = _state(request)
@@ -532,6 +620,8 @@ async def _generate(request: Request, kind: str) -> Response:
         body = await _json_body(request, state)
         parse = protocol.parse_chat if kind == "chat" else protocol.parse_completion
         req = parse(body, state.model_name)
+        if kind == "chat":
+            _prepare_chat(state, engine, req, body)
         streams = []
         if req.generate:
             retry_after = state.settings.retry_after_seconds
@@ -660,6 +750,7 @@ async def tokenize(request: Request, state: ServerState) -> Response:
     protocol.check_model(body, state.model_name)
     # Checked whichever of prompt and messages is sent, as the schema says.
     protocol.template_options(body)
+    tool_request = tools.parse_tool_request({"tools": body.get("tools")})
     tok = engine.tokenizer
     prompt = body.get("prompt")
     messages = body.get("messages")
@@ -682,13 +773,14 @@ async def tokenize(request: Request, state: ServerState) -> Response:
                 state.model_name,
             )
             assert chat.messages is not None
-            # The checks Engine.chat makes (roles, content), which the template does not: the
-            # messages chat refuses, /tokenize refuses too.
-            validate_messages(chat.messages)
-            rendered = tok.apply_chat_template(
+            # As chat renders them: the messages chat refuses, /tokenize refuses too.
+            rendered = render_chat(
+                state,
+                engine,
                 chat.messages,
-                add_generation_prompt=chat.engine_kwargs["add_generation_prompt"],
-                **chat.engine_kwargs.get("chat_template_kwargs", {}),
+                tool_request,
+                chat.add_generation_prompt,
+                chat.template_kwargs,
             )
             special = protocol.bool_field(body, "add_special_tokens", False)
             ids = tok.encode(rendered, add_special_tokens=special)

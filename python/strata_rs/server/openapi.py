@@ -203,6 +203,53 @@ def _template_fields() -> dict[str, dict[str, Any]]:
     }
 
 
+def _tools_field() -> dict[str, Any]:
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"], "description": "a JSON schema"},
+            "strict": {"type": ["boolean", "null"]},
+        },
+    }
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+    return {
+        "description": "functions the model may call, rendered by its chat template (names unique)",
+        **_or_null({"type": "array", "items": tool}),
+    }
+
+
+def _tool_fields() -> dict[str, dict[str, Any]]:
+    named = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {"name": {"type": "string"}},
+            },
+        },
+    }
+    return {
+        "tools": _tools_field(),
+        "tool_choice": {
+            "description": "none, auto (the default with tools), required, or a function of "
+            "tools by name; required and a named function constrain the arguments to the "
+            "function's schema, and cannot be combined with response_format",
+            "anyOf": [{"enum": ["none", "auto", "required", None]}, named],
+        },
+        "parallel_tool_calls": _boolean("more than one call in an answer (default true)"),
+    }
+
+
 def _needs(field: str, kind: str, flag: str) -> dict[str, Any]:
     """`field` (when not null) needs `flag` to be true, as the validator says."""
     return {
@@ -249,6 +296,7 @@ def _request_schemas(
             "logprobs": _boolean("return each token's logprob"),
             "top_logprobs": _integer("alternatives per token; needs logprobs: true", **top),
             **_template_fields(),
+            **_tool_fields(),
         },
         (*protocol._CHAT_FIELDS, *accepted_extra),
         required=["messages"],
@@ -298,6 +346,7 @@ def _request_schemas(
                 "messages, whose template writes them)"
             ),
             **_template_fields(),
+            "tools": _tools_field(),
         },
         protocol.TOKENIZE_FIELDS,
         description="exactly one of prompt and messages",
@@ -351,7 +400,7 @@ def _request_schemas(
 
 def _response_schemas() -> dict[str, dict[str, Any]]:
     count = {"type": "integer", "minimum": 0}
-    finish = {"enum": ["stop", "length", "cancelled", None]}
+    finish = {"enum": ["stop", "length", "cancelled", "tool_calls", None]}
     top_entry = {
         "type": "object",
         "required": ["token", "logprob", "bytes"],
@@ -426,14 +475,62 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
             schema["properties"]["system_fingerprint"] = {"type": "null"}
         return schema
 
+    function = {
+        "type": "object",
+        "required": ["name", "arguments"],
+        "properties": {
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "description": "a JSON object's text"},
+        },
+    }
+    tool_call = {
+        "type": "object",
+        "required": ["id", "type", "function"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": function,
+        },
+    }
+    tool_call_delta = {
+        "type": "object",
+        "description": "a call's first piece has its id, type and name; the next add to its "
+        "arguments",
+        "required": ["index", "function"],
+        "properties": {
+            "index": count,
+            "id": {"type": "string"},
+            "type": {"const": "function"},
+            "function": {
+                "type": "object",
+                "required": ["arguments"],
+                "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+            },
+        },
+    }
+    reasoning = {
+        "type": "string",
+        "description": "the model's thinking (<think>...</think>), unless served with "
+        "--reasoning-format inline",
+    }
     chat_message = {
         "type": "object",
         "required": ["role", "content"],
-        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": ["string", "null"], "description": "null with only tool calls"},
+            "reasoning_content": reasoning,
+            "tool_calls": {"type": "array", "items": tool_call},
+        },
     }
     chat_delta = {
         "type": "object",
-        "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+        "properties": {
+            "role": {"const": "assistant"},
+            "content": {"type": "string"},
+            "reasoning_content": reasoning,
+            "tool_calls": {"type": "array", "items": tool_call_delta},
+        },
     }
     chat_lp = {"logprobs": _or_null(chat_logprobs)}
     completion_lp = {"logprobs": _or_null(completion_logprobs)}

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from strata_rs import (
     ContextOverflow,
@@ -28,6 +28,10 @@ from strata_rs import (
     StrataError,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from strata_rs.server.message import MessageDelta
+    from strata_rs.server.tools import ToolRequest
 
 # Sampling fields passed to the engine under the same name; the engine checks type and range.
 _ENGINE_FIELDS = (
@@ -54,15 +58,12 @@ _IGNORED = (
     "store",
     "metadata",
     "service_tier",
-    "parallel_tool_calls",
     "safety_identifier",
     "prompt_cache_key",
     "prompt_cache_retention",
 )
 # OpenAI fields this server does not implement, with the values that mean "not used".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "suffix": (None, ""),
@@ -90,6 +91,9 @@ _CHAT_FIELDS = frozenset(
         "top_logprobs",
         "chat_template_kwargs",
         "add_generation_prompt",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     )
 )
 _COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo"))
@@ -101,6 +105,7 @@ TOKENIZE_FIELDS = (
     "add_special_tokens",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "tools",
 )
 DETOKENIZE_FIELDS = ("model", "tokens", "skip_special_tokens")
 
@@ -256,7 +261,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
     return value
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     return {
         type(None): "null",
         bool: "boolean",
@@ -274,7 +279,7 @@ def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(name, f"must be a boolean, got {_type_name(value)}")
+        raise invalid(name, f"must be a boolean, got {type_name(value)}")
     return value
 
 
@@ -289,7 +294,7 @@ def _check_fields(body: Mapping[str, Any], known: frozenset[str]) -> None:
         raise invalid(key, "unrecognized request argument")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise invalid("user", f"must be a string, got {_type_name(user)}")
+        raise invalid("user", f"must be a string, got {type_name(user)}")
 
 
 def check_model(body: Mapping[str, Any], served: str) -> None:
@@ -297,7 +302,7 @@ def check_model(body: Mapping[str, Any], served: str) -> None:
     if model is None:
         return
     if not isinstance(model, str):
-        raise invalid("model", f"must be a string, got {_type_name(model)}")
+        raise invalid("model", f"must be a string, got {type_name(model)}")
     if model != served:
         raise ApiError(
             404,
@@ -317,7 +322,8 @@ class GenerationRequest:
     created: int
     stream: bool
     include_usage: bool
-    # chat: the messages; completion: one prompt per entry (str or token ids).
+    # chat: the messages, and `prompts` their rendering's ids once app.py has rendered them;
+    # completion: one prompt per entry (str or token ids).
     messages: list[dict[str, Any]] | None = None
     prompts: list[str | list[int]] = field(default_factory=list)
     # Keyword arguments of Engine.generate / Engine.chat.
@@ -331,6 +337,15 @@ class GenerationRequest:
     echo: bool = False
     # False for echo with max_tokens 0: the prompt is scored, nothing is generated.
     generate: bool = True
+    # chat: how the messages are rendered (app.py renders them: tools need the template's format).
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # chat: tools (None without them), and whether `<think>` goes to reasoning_content.
+    tools: ToolRequest | None = None
+    tool_format: str = "generic"
+    split_reasoning: bool = True
+    # chat: the rendered prompt ends with `<think>`: the answer starts inside the thinking.
+    thinking: bool = False
 
 
 def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationRequest:
@@ -342,7 +357,7 @@ def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationReques
         if not stream:
             raise invalid("stream_options", "only allowed when stream is true")
         if not isinstance(options, dict):
-            raise invalid("stream_options", f"must be an object, got {_type_name(options)}")
+            raise invalid("stream_options", f"must be an object, got {type_name(options)}")
         include_usage = bool_field(options, "include_usage", False)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     req = GenerationRequest(
@@ -371,7 +386,7 @@ def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
     if fmt is None:
         return
     if not isinstance(fmt, dict):
-        raise invalid("response_format", f"must be an object, got {_type_name(fmt)}")
+        raise invalid("response_format", f"must be an object, got {type_name(fmt)}")
     kind = fmt.get("type")
     if kind == "text":
         return
@@ -384,7 +399,7 @@ def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
             raise invalid(
-                "response_format.json_schema", f"must be an object, got {_type_name(spec)}"
+                "response_format.json_schema", f"must be an object, got {type_name(spec)}"
             )
         schema = spec.get("schema")
         if schema is None:
@@ -392,7 +407,7 @@ def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
         if not isinstance(schema, dict | bool):
             raise invalid(
                 "response_format.json_schema.schema",
-                f"must be an object or a boolean, got {_type_name(schema)}",
+                f"must be an object or a boolean, got {type_name(schema)}",
             )
         req.engine_kwargs["structured_outputs"] = {"json": schema}
         req.renames["structured_outputs.json"] = "response_format.json_schema.schema"
@@ -411,13 +426,13 @@ def _flatten_content(i: int, content: Any) -> Any:
     for j, part in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         if not isinstance(part, dict):
-            raise invalid(where, f"must be an object, got {_type_name(part)}")
+            raise invalid(where, f"must be an object, got {type_name(part)}")
         kind = part.get("type")
         if kind != "text":
             raise invalid(f"{where}.type", f"only text parts are supported, got {kind!r}")
         text = part.get("text")
         if not isinstance(text, str):
-            raise invalid(f"{where}.text", f"must be a string, got {_type_name(text)}")
+            raise invalid(f"{where}.text", f"must be a string, got {type_name(text)}")
         texts.append(text)
     return "\n".join(texts)
 
@@ -429,7 +444,7 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
     if messages is None:
         raise invalid("messages", "required")
     if not isinstance(messages, list):
-        raise invalid("messages", f"must be an array of messages, got {_type_name(messages)}")
+        raise invalid("messages", f"must be an array of messages, got {type_name(messages)}")
     if not messages:
         raise invalid("messages", "must not be empty")
     flat: list[dict[str, Any]] = []
@@ -456,7 +471,7 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
     top = body.get("top_logprobs")
     if top is not None:
         if not isinstance(top, int) or isinstance(top, bool):
-            raise invalid("top_logprobs", f"must be an integer, got {_type_name(top)}")
+            raise invalid("top_logprobs", f"must be an integer, got {type_name(top)}")
         if not 0 <= top <= MAX_LOGPROBS:
             raise invalid("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
         if not logprobs:
@@ -466,10 +481,8 @@ def parse_chat(body: Mapping[str, Any], served: str) -> GenerationRequest:
         req.logprobs = top or 0
         req.renames["logprobs"] = "top_logprobs"
 
-    add_generation_prompt, template_kwargs = template_options(body)
-    if template_kwargs is not None:
-        kwargs["chat_template_kwargs"] = template_kwargs
-    kwargs["add_generation_prompt"] = add_generation_prompt
+    req.add_generation_prompt, template_kwargs = template_options(body)
+    req.template_kwargs = template_kwargs or {}
     return req
 
 
@@ -481,7 +494,7 @@ def template_options(body: Mapping[str, Any]) -> tuple[bool, dict[str, Any] | No
         return add_generation_prompt, None
     if not isinstance(template_kwargs, dict):
         raise invalid(
-            "chat_template_kwargs", f"must be an object, got {_type_name(template_kwargs)}"
+            "chat_template_kwargs", f"must be an object, got {type_name(template_kwargs)}"
         )
     # Checked here, not left to the engine: /tokenize passes these as keyword arguments, where a
     # reserved name would be a TypeError.
@@ -513,10 +526,10 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
             raise invalid("prompt", "must not be empty")
         for i, p in enumerate(prompt):
             if not (isinstance(p, str) or _is_ids(p)):
-                raise invalid(f"prompt[{i}]", f"{shape}, got {_type_name(p)}")
+                raise invalid(f"prompt[{i}]", f"{shape}, got {type_name(p)}")
         req.prompts = list(prompt)
     else:
-        raise invalid("prompt", f"{shape}, got {_type_name(prompt)}")
+        raise invalid("prompt", f"{shape}, got {type_name(prompt)}")
 
     kwargs = req.engine_kwargs
     max_tokens = body.get("max_tokens")
@@ -531,7 +544,7 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, int) or isinstance(logprobs, bool):
-            raise invalid("logprobs", f"must be an integer, got {_type_name(logprobs)}")
+            raise invalid("logprobs", f"must be an integer, got {type_name(logprobs)}")
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         kwargs["logprobs"] = logprobs
@@ -614,6 +627,8 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    # chat: the message (content, reasoning_content, tool_calls); None: the text is the content.
+    message: dict[str, Any] | None = None
 
 
 def full_response(
@@ -623,7 +638,7 @@ def full_response(
         body_choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": c.message or {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c.logprobs) if req.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
             }
@@ -690,14 +705,24 @@ class ChunkWriter:
         text: str,
         logprobs: Sequence[Mapping[str, Any]] | None,
         finish_reason: str | None,
+        message: MessageDelta | None = None,
     ) -> bytes:
+        """One choice's event. For chat, `message` (when given) is the text parsed into content,
+        reasoning and tool calls, and `text` is not used."""
         want_logprobs = self.req.logprobs is not None and logprobs is not None
         if self.req.kind == "chat":
             delta: dict[str, Any] = {}
             if index not in self._role_sent:
                 self._role_sent.add(index)
                 delta["role"] = "assistant"
-            if text or finish_reason is None:
+            parsed = message is not None and (message.reasoning or message.tool_calls)
+            if message is not None:
+                text = message.content
+                if message.reasoning:
+                    delta["reasoning_content"] = message.reasoning
+                if message.tool_calls:
+                    delta["tool_calls"] = [c.body() for c in message.tool_calls]
+            if text or (finish_reason is None and not parsed):
                 delta["content"] = text
             choice = {
                 "index": index,

@@ -121,6 +121,7 @@ def serve(
     served_model_name: str | None = None,
     log_prompts: bool = False,
     allowed_origins: tuple[str, ...] = (),
+    reasoning_format: str = "separate",
 ) -> int:
     """What `strata-rs serve` runs; returns the process's exit status."""
     from strata_rs import Engine
@@ -155,6 +156,7 @@ def serve(
         demo=demo,
         log_prompts=log_prompts,
         allowed_origins=allowed_origins,
+        reasoning_format=reasoning_format,
     )
     if settings.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
