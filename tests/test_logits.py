@@ -247,3 +247,46 @@ async def test_cuda_matches_reference(model_dir: MakeModel, family: str, dtype: 
             assert_close(logits, expected, rel_tol=1e-3)
         else:
             assert_argmax_agrees(logits, expected)
+
+
+async def test_prompt_logprobs_are_the_logits_log_softmax(model_dir: MakeModel) -> None:
+    """`Engine.prompt_logprobs`: None for the first token, then each token's log-softmax under
+    the logits before it (engine.logits, in float64, within 1e-5), its rank (1 + how many tokens
+    score higher) and the top alternatives, ties by lower id. With a step of 16 tokens the 100
+    tokens are scored in 7 chunks, each reduced before the next: the same entries."""
+    model = model_dir("llama")
+    for step in (512, 16):
+        engine = await strata_rs.Engine.load(model, max_batch_tokens=step)
+        try:
+            logits = (await engine.logits(SEQ)).astype(np.float64)
+            high = logits.max(axis=1, keepdims=True)
+            lsm = logits - (high + np.log(np.exp(logits - high).sum(axis=1, keepdims=True)))
+            got = await engine.prompt_logprobs(SEQ, top_logprobs=3)
+            assert len(got) == len(SEQ) and got[0] is None
+            tok = engine.tokenizer
+            for i in range(1, len(SEQ)):
+                entry = got[i]
+                assert entry is not None
+                row, token = logits[i - 1], SEQ[i]
+                assert entry["token_id"] == token
+                assert entry["token"] == tok.decode([token])
+                assert abs(entry["logprob"] - lsm[i - 1, token]) < 1e-5
+                assert entry["rank"] == 1 + int((row > row[token]).sum())
+                best = np.argsort(-row, kind="stable")[:3]
+                assert [t["token_id"] for t in entry["top_logprobs"]] == best.tolist()
+                for t in entry["top_logprobs"]:
+                    assert abs(t["logprob"] - lsm[i - 1, t["token_id"]]) < 1e-5
+            assert await engine.prompt_logprobs(SEQ[:1]) == [None]
+            for top, message in [
+                (21, "top_logprobs: must be at most 20, got 21"),
+                (-1, "top_logprobs: must be >= 0, got -1"),
+                ("2", "top_logprobs: must be an integer, got str"),
+            ]:
+                with pytest.raises(strata_rs.InvalidRequest) as e:
+                    await engine.prompt_logprobs(SEQ, top_logprobs=top)  # type: ignore[arg-type]
+                assert str(e.value) == message
+            with pytest.raises(strata_rs.InvalidRequest) as e:
+                await engine.prompt_logprobs([VOCAB])
+            assert str(e.value).startswith("token_ids: ")
+        finally:
+            await engine.close()

@@ -342,6 +342,61 @@ async def test_n_choices_prompt_batches_seeds_and_stop(model_dir: MakeModel) -> 
         await engine.close()
 
 
+async def test_prompt_logprobs_extension(model_dir: MakeModel) -> None:
+    """vLLM's `prompt_logprobs`: null, then for each prompt token {id: {logprob, rank,
+    decoded_token}} for its top alternatives and the token itself, from `Engine.prompt_logprobs`;
+    on each completions choice, on a chat response (and on streams' first events)."""
+    model = model_dir("llama")
+    ids = [30 + 7 * i for i in range(10)]
+    engine = await Engine.load(model)
+    try:
+        entries = await engine.prompt_logprobs(ids, top_logprobs=2)
+        expected: list[Any] = [None]
+        for e in entries[1:]:
+            assert e is not None
+            d = {
+                str(t["token_id"]): {
+                    "logprob": t["logprob"],
+                    "rank": r,
+                    "decoded_token": t["token"],
+                }
+                for r, t in enumerate(e["top_logprobs"], start=1)
+            }
+            d[str(e["token_id"])] = {
+                "logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"],
+            }  # fmt: skip
+            expected.append(d)
+        async with asgi_client(engine) as client:
+            body = {"prompt": ids, "max_tokens": 2, "n": 2, "prompt_logprobs": 2}
+            got = (await client.post(COMPLETIONS, json=body)).json()
+            assert [c["prompt_logprobs"] for c in got["choices"]] == [expected, expected]
+            r = await client.post(COMPLETIONS, json={**body, "stream": True})
+            chunks = [e for e in events(r.text) if e != "[DONE]"]
+            firsts = {c["choices"][0]["index"]: c["choices"][0] for c in chunks[:2]}
+            assert firsts[0]["prompt_logprobs"] == firsts[1]["prompt_logprobs"] == expected
+            assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[2:])
+
+            # Chat: the rendered prompt's, on the response.
+            chat = {"messages": MSG, "max_tokens": 2, "prompt_logprobs": 0}
+            got = (await client.post(CHAT, json=chat)).json()
+            tok = engine.tokenizer
+            rendered = tok.encode(tok.apply_chat_template(MSG), add_special_tokens=False)
+            plp = got["prompt_logprobs"]
+            assert len(plp) == len(rendered) and plp[0] is None
+            assert [list(d) for d in plp[1:]] == [[str(t)] for t in rendered[1:]]
+            r = await client.post(CHAT, json={**chat, "stream": True})
+            first = events(r.text)[0]
+            assert first["prompt_logprobs"] == plp
+
+            bad = await client.post(COMPLETIONS, json={**body, "prompt_logprobs": 21})
+            assert bad.json()["error"] == {
+                "message": "prompt_logprobs: must be in [0, 20], got 21",
+                "type": "invalid_request_error", "param": "prompt_logprobs", "code": None,
+            }  # fmt: skip
+    finally:
+        await engine.close()
+
+
 async def test_echo_scores_the_prompt(model_dir: MakeModel) -> None:
     """`echo` (lm-eval's loglikelihood): the prompt's tokens with the log-softmax of the logits
     before each (the first null), equal to `engine.logits` within 1e-5; with max_tokens 0
@@ -383,13 +438,20 @@ async def test_echo_scores_the_prompt(model_dir: MakeModel) -> None:
             assert choice["logprobs"]["token_logprobs"][10:] == alone["logprobs"]["token_logprobs"]
             assert np.allclose(choice["logprobs"]["token_logprobs"][1:10], expected, atol=1e-5)
 
-            # Text prompts are echoed as sent; stream and a bad field are refused.
+            # Streamed: each choice's first event is the echo, then the plain stream's events.
+            r = await client.post(COMPLETIONS, json={**plain, "echo": True, "stream": True})
+            chunks = [e for e in events(r.text) if e != "[DONE]"]
+            assert chunks[0]["choices"][0]["text"] == engine.tokenizer.decode(ids)
+            assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+            streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+            assert streamed == choice["logprobs"]["token_logprobs"]
+            offsets = [x for c in chunks for x in c["choices"][0]["logprobs"]["text_offset"]]
+            assert offsets == choice["logprobs"]["text_offset"]
+
+            # Text prompts are echoed as sent; a bad field is refused.
             text = (await client.post(COMPLETIONS, json={"prompt": "abc de", "echo": True,
                                                          "max_tokens": 0})).json()  # fmt: skip
             assert text["choices"][0]["text"] == "abc de"
-            bad = await client.post(COMPLETIONS, json={**body, "stream": True})
-            assert bad.status_code == 400
-            assert bad.json()["error"]["message"] == "echo: not supported with stream yet"
             bad = await client.post(COMPLETIONS, json={**body, "temperature": -1})
             assert bad.json()["error"]["message"] == "temperature: must be >= 0, got -1"
             bad = await client.post(COMPLETIONS, json={**body, "echo": False})

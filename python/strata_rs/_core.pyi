@@ -177,6 +177,10 @@ class TokenLogprob(TypedDict):
     logprob: float
     top_logprobs: list[TopLogprob]
 
+class PromptTokenLogprob(TokenLogprob):
+    rank: int
+    """1 + how many tokens were more likely at that position."""
+
 FinishReason = Literal["stop", "length", "cancelled"]
 
 class Usage:
@@ -537,6 +541,13 @@ class Engine:
     def logits(self, token_ids: Sequence[int]) -> Awaitable[npt.NDArray[np.float32]]:
         """Logits of every position, ``[len(token_ids), vocab_size]`` float32. InvalidRequest
         naming token_ids for anything but a list of ids in the vocabulary."""
+    def prompt_logprobs(
+        self, token_ids: Sequence[int], top_logprobs: int | None = None
+    ) -> Awaitable[list[PromptTokenLogprob | None]]:
+        """Each prompt token's logprob under the tokens before it: None for the first, then the
+        entry a generated token gets, with its rank, and `top_logprobs` (0-20) alternatives. One
+        forward from a cold K/V state, its logits reduced a chunk at a time (a long prompt never
+        holds all of them). InvalidRequest naming token_ids or top_logprobs."""
     def benchmark(
         self,
         prefill_lens: Sequence[int] = ...,

@@ -30,7 +30,7 @@ use crate::model::{Model, ModelSource};
 use core::EngineCore;
 #[cfg(feature = "cuda")]
 use gpu_sizing::open_gpus;
-use request::{CancelFlag, Event, Request, SamplingParams};
+use request::{CancelFlag, Event, PromptTokenLogprob, Request, SamplingParams, MAX_LOGPROBS};
 use runner::{ModelRunner, Stage};
 use scheduler::Scheduler;
 use stats::EngineStats;
@@ -155,6 +155,11 @@ enum Command {
     Logits {
         ids: Vec<u32>,
         reply: oneshot::Sender<Result<Vec<f32>>>,
+    },
+    PromptLogprobs {
+        ids: Vec<u32>,
+        top: usize,
+        reply: oneshot::Sender<Result<Vec<PromptTokenLogprob>>>,
     },
     Bench {
         spec: BenchSpec,
@@ -686,6 +691,25 @@ impl Engine {
         Ok(rx)
     }
 
+    /// Validates `ids` and `top` and queues them; the receiver yields each token's entry after
+    /// the first, with its rank (`ModelRunner::prompt_logprobs`).
+    pub fn prompt_logprobs(
+        &self,
+        ids: Vec<u32>,
+        top: usize,
+    ) -> Result<oneshot::Receiver<Result<Vec<PromptTokenLogprob>>>> {
+        self.check_tokens(&ids, "token_ids")?;
+        if top > MAX_LOGPROBS {
+            return Err(StrataError::invalid(
+                "top_logprobs",
+                format!("must be at most {MAX_LOGPROBS}, got {top}"),
+            ));
+        }
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::PromptLogprobs { ids, top, reply })?;
+        Ok(rx)
+    }
+
     /// Times prefill and decode on the engine thread (see `bench`).
     pub fn bench(&self, spec: BenchSpec) -> Result<oneshot::Receiver<Result<BenchReport>>> {
         let needed = spec
@@ -852,6 +876,9 @@ fn handle(core: &mut EngineCore, cmd: Command) {
         Command::Logits { ids, reply } => {
             // The caller may have gone away; nothing to do then.
             let _ = reply.send(core.runner.all_logits(&ids));
+        }
+        Command::PromptLogprobs { ids, top, reply } => {
+            let _ = reply.send(core.runner.prompt_logprobs(&ids, top));
         }
         Command::Bench { spec, reply } => {
             let _ = reply.send(bench::run(&mut core.runner, &spec));

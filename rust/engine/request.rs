@@ -262,6 +262,14 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// A prompt token's entry (`Engine::prompt_logprobs`): as a generated token's, with its rank.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub logprob: TokenLogprob,
+    /// 1 + how many tokens were more likely at its position.
+    pub rank: usize,
+}
+
 /// One step's output for one choice.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Delta {

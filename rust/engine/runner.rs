@@ -1,6 +1,8 @@
 //! ModelRunner: a model with its K/V pool, workspace and compute threads; runs forward steps, on
 //! the CPU (`Model::forward` over host workspaces) or on GPUs (`CudaRunner`, feature "cuda").
 
+use super::request::PromptTokenLogprob;
+use super::sampler::{prompt_token_logprob, LogprobScratch};
 use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
@@ -296,6 +298,47 @@ impl ModelRunner {
                     "token_ids: no room in the K/V pool for {len} tokens"
                 ))
             })
+    }
+
+    /// Each token's entry after the first (`prompt_token_logprob`: its logprob under the
+    /// positions before it, its rank, the `top` most likely tokens there), from a cold K/V state.
+    /// The logits are made one prefill chunk at a time and reduced at once, so a long prompt
+    /// never holds `[len, vocab]` of them.
+    pub fn prompt_logprobs(&mut self, ids: &[u32], top: usize) -> Result<Vec<PromptTokenLogprob>> {
+        let table = self.allocate(ids.len())?;
+        let result = self.prompt_logprobs_in(ids, top, &table);
+        self.kv.release(&table);
+        result
+    }
+
+    fn prompt_logprobs_in(
+        &mut self,
+        ids: &[u32],
+        top: usize,
+        table: &[u32],
+    ) -> Result<Vec<PromptTokenLogprob>> {
+        let vocab = self.model.config.vocab_size;
+        let step = self.max_tokens();
+        let mut logits = vec![0.0f32; step.min(ids.len()) * vocab];
+        let mut scratch = LogprobScratch::default();
+        let mut out = Vec::with_capacity(ids.len().saturating_sub(1));
+        for (i, chunk) in ids.chunks(step).enumerate() {
+            let start = i * step;
+            let batch = [SeqChunk {
+                tokens: chunk,
+                start_pos: start,
+                block_table: table,
+                logits: LogitsWanted::All,
+            }];
+            let rows = &mut logits[..chunk.len() * vocab];
+            self.step(&batch, rows)?;
+            for (r, row) in rows.chunks_mut(vocab).enumerate() {
+                if let Some(&next) = ids.get(start + r + 1) {
+                    out.push(prompt_token_logprob(row, next, top, &mut scratch));
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Logits of every position of `ids` (`[ids.len(), vocab]`), from a cold K/V state.

@@ -20,7 +20,7 @@ use std::cmp::Ordering;
 use std::collections::HashMap;
 use std::fmt;
 
-use super::request::SamplingParams;
+use super::request::{PromptTokenLogprob, SamplingParams, TokenLogprob};
 
 /// One sampled token and, when requested, log-probabilities from the raw logits.
 #[derive(Clone, Debug, PartialEq)]
@@ -753,6 +753,38 @@ fn smallest_prefix_with_mass(cands: &mut [Cand], need: f64) -> usize {
         }
     }
     hi
+}
+
+/// Scratch space of `prompt_token_logprob`, kept across the rows of a prompt.
+#[derive(Default)]
+pub struct LogprobScratch {
+    cands: Vec<Cand>,
+    sample: Vec<f32>,
+}
+
+/// A prompt token's entry, as a generated token's: `row` holds the logits of the position before
+/// it (cleaned here, as a step's, then overwritten), and the result is the token's logprob, the
+/// `n` most likely tokens there, and the token's rank (1 + how many tokens are more likely).
+pub fn prompt_token_logprob(
+    row: &mut [f32],
+    token: u32,
+    n: usize,
+    scratch: &mut LogprobScratch,
+) -> PromptTokenLogprob {
+    clean_in_place(row);
+    let rank = match row.get(token as usize) {
+        Some(&x) => 1 + row.iter().filter(|&&y| y > x).count(),
+        None => row.len(),
+    };
+    let (logprob, top) = raw_logprobs(row, token, n, &mut scratch.cands, &mut scratch.sample);
+    PromptTokenLogprob {
+        logprob: TokenLogprob {
+            token,
+            logprob,
+            top,
+        },
+        rank,
+    }
 }
 
 /// log_softmax of the cleaned raw logits at `token`, and the `n` highest, descending, ties by id.
@@ -1589,6 +1621,36 @@ mod tests {
                     assert_eq!(id as usize, want_id);
                     assert!((f64::from(lp) - want[want_id]).abs() <= 1e-5);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn prompt_token_logprob_is_the_samplers_entry_with_a_rank() {
+        let mut rng = TestRng::new(12);
+        let mut scratch = LogprobScratch::default();
+        for &n in &[1usize, 7, 9000] {
+            let mut logits: Vec<f32> = (0..n).map(|_| (rng.normal() * 4.0) as f32).collect();
+            // A tie with the token and a NaN (cleaned to -inf, as a step's logits are).
+            if n > 2 {
+                logits[1] = logits[0];
+                logits[2] = f32::NAN;
+            }
+            let mut cleaned = logits.clone();
+            clean_in_place(&mut cleaned);
+            let want = log_softmax(&cleaned);
+            for token in [0u32, (n - 1) as u32] {
+                let mut row = logits.clone();
+                let got = prompt_token_logprob(&mut row, token, 3, &mut scratch);
+                let (entry, rank) = (got.logprob, got.rank);
+                let x = cleaned[token as usize];
+                assert_eq!(rank, 1 + cleaned.iter().filter(|&&y| y > x).count());
+                assert_eq!(entry.token, token);
+                assert!((f64::from(entry.logprob) - want[token as usize]).abs() <= 1e-5);
+                let mut order: Vec<usize> = (0..n).collect();
+                order.sort_by(|&a, &b| want[b].total_cmp(&want[a]).then(a.cmp(&b)));
+                let ids: Vec<usize> = entry.top.iter().map(|&(id, _)| id as usize).collect();
+                assert_eq!(ids, order[..n.min(3)]);
             }
         }
     }

@@ -39,6 +39,21 @@ pub fn string(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     }
 }
 
+/// A Python int (never a bool) of at least `min`.
+pub fn int(field: &str, v: &Bound<'_, PyAny>, min: i64) -> PyResult<usize> {
+    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
+        return Err(bad(
+            field,
+            format!("must be an integer, got {}", type_name(v)),
+        ));
+    }
+    let x: i64 = v.extract().map_err(|_| bad(field, "is out of range"))?;
+    if x < min {
+        return Err(bad(field, format!("must be >= {min}, got {x}")));
+    }
+    usize::try_from(x).map_err(|_| bad(field, "is out of range"))
+}
+
 /// A str for a message: the text with unencodable characters replaced (names in errors).
 pub fn lossy(v: &Bound<'_, PyAny>) -> String {
     match v.cast::<PyString>() {

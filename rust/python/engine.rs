@@ -13,7 +13,7 @@ use super::awaitable::{ready_awaitable, spawn_awaitable};
 use super::errors::to_pyerr;
 use super::json::py_to_json;
 use super::loading::PyLoadingEngine;
-use super::output::completion;
+use super::output::{completion, prompt_logprobs_list};
 use super::sampling_params::resolve;
 use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
@@ -21,7 +21,7 @@ use crate::bench::BenchSpec;
 use crate::cache::{CacheOptions, CacheStats};
 use crate::device::memory_pool::PoolSnapshot;
 use crate::device::Device;
-use crate::engine::request::{validate_messages, SamplingParams};
+use crate::engine::request::{validate_messages, PromptTokenLogprob, SamplingParams};
 use crate::engine::stats::{EngineStats, Histogram};
 use crate::engine::{Engine, EngineOptions, Submission};
 use crate::error::StrataError;
@@ -536,6 +536,34 @@ impl PyEngine {
             let np = py.import("numpy")?;
             let arr = np.call_method1("frombuffer", (buf, np.getattr("float32")?))?;
             Ok(arr.call_method1("reshape", (n, vocab))?.unbind())
+        })
+    }
+
+    /// Each prompt token's logprob under the tokens before it: a list whose first entry is None,
+    /// then `{"token_id", "token", "logprob", "rank", "top_logprobs"}` as a generated token's
+    /// (`top_logprobs` alternatives, at most 20). One forward over the prompt, from a cold K/V
+    /// state, its logits reduced a chunk at a time.
+    #[pyo3(signature = (token_ids, top_logprobs = None))]
+    fn prompt_logprobs<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+        top_logprobs: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let ids = args::token_ids("token_ids", token_ids)?;
+        let top_logprobs = match top_logprobs.filter(|v| !v.is_none()) {
+            Some(v) => args::int("top_logprobs", v, 0)?,
+            None => 0,
+        };
+        let rx = lock(&self.engine)
+            .prompt_logprobs(ids, top_logprobs)
+            .map_err(to_pyerr)?;
+        let tok = self.tokenizer_arc();
+        let work = async move { rx.await.map_err(|_| stopped_error())? };
+        spawn_awaitable(py, work, move |py, entries: Vec<PromptTokenLogprob>| {
+            Ok(prompt_logprobs_list(py, &tok, &entries)?
+                .into_any()
+                .unbind())
         })
     }
 

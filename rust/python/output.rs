@@ -6,7 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::engine::request::{Delta, FinishReason, TokenLogprob, Usage};
+use crate::engine::request::{Delta, FinishReason, PromptTokenLogprob, TokenLogprob, Usage};
 use crate::model::tokenizer::Tokenizer;
 
 /// An optional string as Python's repr writes it.
@@ -49,21 +49,47 @@ fn logprobs_list<'py>(
     tok: &Tokenizer,
     lps: &[TokenLogprob],
 ) -> PyResult<Bound<'py, PyList>> {
-    let entry = |id: u32, lp: f32| -> PyResult<Bound<'py, PyDict>> {
+    let list = PyList::empty(py);
+    for lp in lps {
+        list.append(logprob_dict(py, tok, lp)?)?;
+    }
+    Ok(list)
+}
+
+/// `{"token_id", "token", "logprob", "top_logprobs": [{"token_id", "token", "logprob"}]}`.
+fn logprob_dict<'py>(
+    py: Python<'py>,
+    tok: &Tokenizer,
+    lp: &TokenLogprob,
+) -> PyResult<Bound<'py, PyDict>> {
+    let entry = |id: u32, p: f32| -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item("token_id", id)?;
         d.set_item("token", tok.decode(&[id], false).unwrap_or_default())?;
-        d.set_item("logprob", lp)?;
+        d.set_item("logprob", p)?;
         Ok(d)
     };
+    let d = entry(lp.token, lp.logprob)?;
+    let top = PyList::empty(py);
+    for &(id, p) in &lp.top {
+        top.append(entry(id, p)?)?;
+    }
+    d.set_item("top_logprobs", top)?;
+    Ok(d)
+}
+
+/// A prompt's entries: None for its first token (nothing comes before it), then each token's
+/// entry as a generated token's, with its `rank` (1 + how many tokens were more likely).
+pub fn prompt_logprobs_list<'py>(
+    py: Python<'py>,
+    tok: &Tokenizer,
+    entries: &[PromptTokenLogprob],
+) -> PyResult<Bound<'py, PyList>> {
     let list = PyList::empty(py);
-    for lp in lps {
-        let d = entry(lp.token, lp.logprob)?;
-        let top = PyList::empty(py);
-        for &(id, p) in &lp.top {
-            top.append(entry(id, p)?)?;
-        }
-        d.set_item("top_logprobs", top)?;
+    list.append(py.None())?;
+    for entry in entries {
+        let d = logprob_dict(py, tok, &entry.logprob)?;
+        d.set_item("rank", entry.rank)?;
         list.append(d)?;
     }
     Ok(list)

@@ -4,7 +4,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 
-use super::args::{bad, lossy, text, token_ids, type_name};
+use super::args::{bad, int, lossy, text, token_ids, type_name};
 use super::errors::to_pyerr;
 use super::json::py_to_json;
 use crate::engine::request::{check_float, float_text, SamplingParams};
@@ -54,20 +54,6 @@ fn float(field: &str, v: &Bound<'_, PyAny>) -> PyResult<f32> {
         ));
     }
     Ok(x as f32)
-}
-
-fn int(field: &str, v: &Bound<'_, PyAny>, min: i64) -> PyResult<usize> {
-    if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {
-        return Err(bad(
-            field,
-            format!("must be an integer, got {}", type_name(v)),
-        ));
-    }
-    let x: i64 = v.extract().map_err(|_| bad(field, "is out of range"))?;
-    if x < min {
-        return Err(bad(field, format!("must be >= {min}, got {x}")));
-    }
-    usize::try_from(x).map_err(|_| bad(field, "is out of range"))
 }
 
 fn boolean(field: &str, v: &Bound<'_, PyAny>) -> PyResult<bool> {

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -366,7 +365,9 @@ class _EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, progress: _Progress, streams: list[TokenStream]) -> None:
+    def __init__(
+        self, progress: _Progress, streams: list[TokenStream], scores: list[PromptScore]
+    ) -> None:
         super().__init__(
             status_code=200,
             headers={
@@ -379,6 +380,7 @@ class _EventStream(Response):
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.progress = progress
         self.streams = streams
+        self.scores = scores
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         p = self.progress
@@ -393,6 +395,13 @@ class _EventStream(Response):
         perf = time.perf_counter
         try:
             try:
+                # Each choice opens with its prompt's echo and prompt_logprobs, when asked for.
+                for i, score in enumerate(self.scores):
+                    for c in range(n):
+                        text = score.text if req.echo else ""
+                        entries = score.echo_entries if req.echo else None
+                        event = writer.first(i * n + c, text, entries, score.prompt_logprobs)
+                        await send({"type": "http.response.body", "body": event, "more_body": True})
                 async for i, chunk in chunks:
                     if gone:
                         break
@@ -485,7 +494,17 @@ async def _collect(
     return [choices[k] for k in sorted(choices)]
 
 
-Echo = tuple[str, list[int], list[dict[str, Any]]]
+@dataclass
+class PromptScore:
+    """What `echo` and `prompt_logprobs` give back of one prompt."""
+
+    # echo: the prompt as sent (a text prompt) or its ids decoded.
+    text: str
+    ids: list[int]
+    # echo with logprobs: each token's entry, the first one's logprob null.
+    echo_entries: list[dict[str, Any]]
+    # vLLM's prompt_logprobs: null for the first token, then {id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[str, Any] | None] | None
 
 
 def _check_sampling(kwargs: dict[str, Any], req: GenerationRequest) -> None:
@@ -495,52 +514,47 @@ def _check_sampling(kwargs: dict[str, Any], req: GenerationRequest) -> None:
         raise protocol.engine_error(e, req.renames) from None
 
 
-def _prompt_logprobs(engine: Engine, logits: Any, ids: list[int], top: int) -> list[dict[str, Any]]:
-    """Each prompt token's entry, as the engine gives a generated token's: its log-softmax under
-    the logits of the position before it (the first token has none: null), and the `top` most
-    likely alternatives there, ties by lower id. A row at a time in f64, so that a long prompt
-    does not hold a second copy of its logits."""
+def _tokenize_prompts(engine: Engine, req: GenerationRequest) -> None:
+    """Text prompts become ids before they are submitted, for echo and prompt_logprobs to score
+    the same ids (and the engine not to encode them again); their text is kept for echo (id
+    prompts are decoded for it once the engine has checked the ids)."""
     tok = engine.tokenizer
-
-    def piece(t: int) -> str:
-        return tok.decode([t], skip_special_tokens=False)
-
-    entries: list[dict[str, Any]] = [
-        {"token_id": ids[0], "token": piece(ids[0]), "logprob": None, "top_logprobs": None}
-    ]
-    for i in range(1, len(ids)):
-        row = logits[i - 1].astype(np.float64)
-        high = row.max()
-        lp = row - (high + np.log(np.exp(row - high).sum()))
-        best = np.argsort(-row, kind="stable")[:top] if top else []
-        entries.append(
-            {
-                "token_id": ids[i],
-                "token": piece(ids[i]),
-                "logprob": float(lp[ids[i]]),
-                "top_logprobs": [
-                    {"token_id": int(t), "token": piece(int(t)), "logprob": float(lp[t])}
-                    for t in best
-                ],
-            }
-        )
-    return entries
-
-
-async def _echoes(engine: Engine, req: GenerationRequest) -> list[Echo]:
-    """`echo`: each prompt's text, ids, and (with logprobs) its tokens' entries, scored by one
-    forward over the prompt (`Engine.logits`)."""
-    out: list[Echo] = []
-    for prompt in req.prompts:
+    for i, prompt in enumerate(req.prompts):
+        text = None
         if isinstance(prompt, str):
-            text, ids = prompt, engine.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-            text = engine.tokenizer.decode(ids, skip_special_tokens=False)
-        entries: list[dict[str, Any]] = []
-        if req.logprobs is not None and ids:
-            entries = _prompt_logprobs(engine, await engine.logits(ids), ids, req.logprobs)
-        out.append((text, ids, entries))
+            text = prompt
+            ids = tok.encode(prompt)
+            if ids:  # an empty prompt stays text: the engine names it in its error
+                req.prompts[i] = ids
+        req.prompt_texts.append(text)
+
+
+async def _score_prompts(engine: Engine, req: GenerationRequest) -> list[PromptScore]:
+    """Each prompt's logprobs for echo and prompt_logprobs, from one engine pass over it
+    (`Engine.prompt_logprobs`, as many alternatives as the larger of the two asks for)."""
+    echo_top = req.logprobs if req.echo else None
+    tops = [k for k in (echo_top, req.prompt_logprobs) if k is not None]
+    tok = engine.tokenizer
+    out: list[PromptScore] = []
+    for i, prompt in enumerate(req.prompts):
+        ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
+        text = req.prompt_texts[i] if i < len(req.prompt_texts) else None
+        if text is None:
+            text = tok.decode(ids, skip_special_tokens=False) if req.echo else ""
+        entries = await engine.prompt_logprobs(ids, max(tops)) if tops and ids else []
+        echo_entries: list[dict[str, Any]] = []
+        if echo_top is not None and ids:
+            first = tok.decode(ids[:1], skip_special_tokens=False)
+            echo_entries.append(
+                {"token_id": ids[0], "token": first, "logprob": None, "top_logprobs": None}
+            )
+            echo_entries += [
+                {**e, "top_logprobs": e["top_logprobs"][:echo_top]} for e in entries[1:] if e
+            ]
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = protocol.vllm_prompt_logprobs(entries, req.prompt_logprobs)
+        out.append(PromptScore(text, list(ids), echo_entries, prompt_logprobs))
     return out
 
 
@@ -622,6 +636,8 @@ async def _generate(request: Request, kind: str) -> Response:
         req = parse(body, state.model_name)
         if kind == "chat":
             _prepare_chat(state, engine, req, body)
+        elif req.echo or req.prompt_logprobs is not None:
+            _tokenize_prompts(engine, req)
         streams = []
         if req.generate:
             retry_after = state.settings.retry_after_seconds
@@ -633,10 +649,12 @@ async def _generate(request: Request, kind: str) -> Response:
         _log_error(state, endpoint, e)
         return _error(e, state, endpoint)
     progress = _Progress(state, req, endpoint, t0)
-    if req.stream:
-        return _EventStream(progress, streams)
     try:
-        echoes = await _echoes(engine, req) if req.echo else []
+        scores = []
+        if req.echo or req.prompt_logprobs is not None:
+            scores = await _score_prompts(engine, req)
+        if req.stream:
+            return _EventStream(progress, streams, scores)
         if req.generate:
             choices = await _collect(progress, streams, request.receive)
             usage = protocol.sum_usage(progress.usages)
@@ -646,7 +664,7 @@ async def _generate(request: Request, kind: str) -> Response:
                 for i in range(len(req.prompts))
                 for c in range(req.n)
             ]
-            usage = protocol.usage_body(sum(len(ids) for _, ids, _ in echoes), 0, 0)
+            usage = protocol.usage_body(sum(len(score.ids) for score in scores), 0, 0)
     except StrataError as e:
         for s in streams:
             s.cancel()
@@ -656,10 +674,12 @@ async def _generate(request: Request, kind: str) -> Response:
         _log_error(state, endpoint, err)
         return _json(err.body(), err.status, err.headers)
     for choice in choices:
-        if echoes:
-            text, _, entries = echoes[choice.index // req.n]
-            choice.text = text + choice.text
-            choice.logprobs = entries + choice.logprobs
+        if scores:
+            score = scores[choice.index // req.n]
+            choice.prompt_logprobs = score.prompt_logprobs
+            if req.echo:
+                choice.text = score.text + choice.text
+                choice.logprobs = score.echo_entries + choice.logprobs
     progress.done(200)
     body_out = protocol.full_response(req, choices, usage)
     return _json(body_out, headers={"x-request-id": req.request_id})

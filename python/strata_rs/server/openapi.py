@@ -278,6 +278,11 @@ def _request_schemas(
 ) -> dict[str, dict[str, Any]]:
     common = {
         "model": _model_field(served_model),
+        "prompt_logprobs": _integer(
+            "extension (vLLM's): each prompt token's logprob, rank and this many alternatives",
+            minimum=0,
+            maximum=MAX_LOGPROBS,
+        ),
         **_stream_fields(),
         **_engine_fields(vocab_size),
         **_ignored_fields(),
@@ -329,7 +334,7 @@ def _request_schemas(
             "logprobs": _integer("alternatives per token, with each token's logprob", **top),
             "echo": _boolean(
                 "the answer starts with the prompt, and with logprobs its tokens' logprobs "
-                "(the first null); not with stream"
+                "(the first null); streamed, in each choice's first event"
             ),
         },
         (*protocol._COMPLETION_FIELDS, *accepted_extra),
@@ -451,7 +456,33 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
     }
     head_required = ["id", "object", "created", "model", "choices"]
 
-    def completion_object(kind: str, choice: dict[str, Any], streamed: bool) -> dict[str, Any]:
+    prompt_logprobs = {
+        "description": "with the prompt_logprobs extension: null for the first prompt token, then "
+        "{token id: {logprob, rank, decoded_token}}",
+        "type": "array",
+        "items": {
+            "type": ["object", "null"],
+            "additionalProperties": {
+                "type": "object",
+                "required": ["logprob", "rank", "decoded_token"],
+                "properties": {
+                    "logprob": {"type": "number"},
+                    "rank": {"type": "integer", "minimum": 1},
+                    "decoded_token": {"type": "string"},
+                },
+            },
+        },
+    }
+
+    def completion_object(
+        kind: str,
+        choice: dict[str, Any],
+        streamed: bool,
+        optional: dict[str, Any] | None = None,
+        optional_choice: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """`choice`'s fields are required in each choice, `optional_choice`'s may be there;
+        `optional` fields may be on the object."""
         usage = _or_null(_ref("Usage")) if streamed else _ref("Usage")
         schema = {
             "type": "object",
@@ -464,11 +495,17 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
                     "items": {
                         "type": "object",
                         "required": ["index", *choice, "finish_reason"],
-                        "properties": {"index": count, **choice, "finish_reason": finish},
+                        "properties": {
+                            "index": count,
+                            **choice,
+                            **(optional_choice or {}),
+                            "finish_reason": finish,
+                        },
                     },
                 },
                 # Present with stream_options.include_usage: null, then the totals last.
                 "usage": usage,
+                **(optional or {}),
             },
         }
         if not streamed:
@@ -577,16 +614,28 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
             },
         },
         "ChatCompletion": completion_object(
-            "chat.completion", {"message": chat_message, **chat_lp}, streamed=False
+            "chat.completion",
+            {"message": chat_message, **chat_lp},
+            streamed=False,
+            optional={"prompt_logprobs": prompt_logprobs},
         ),
         "ChatCompletionChunk": completion_object(
-            "chat.completion.chunk", {"delta": chat_delta, **chat_lp}, streamed=True
+            "chat.completion.chunk",
+            {"delta": chat_delta, **chat_lp},
+            streamed=True,
+            optional={"prompt_logprobs": prompt_logprobs},
         ),
         "Completion": completion_object(
-            "text_completion", {"text": {"type": "string"}, **completion_lp}, streamed=False
+            "text_completion",
+            {"text": {"type": "string"}, **completion_lp},
+            streamed=False,
+            optional_choice={"prompt_logprobs": prompt_logprobs},
         ),
         "CompletionChunk": completion_object(
-            "text_completion", {"text": {"type": "string"}, **completion_lp}, streamed=True
+            "text_completion",
+            {"text": {"type": "string"}, **completion_lp},
+            streamed=True,
+            optional_choice={"prompt_logprobs": prompt_logprobs},
         ),
         "Model": {
             "type": "object",

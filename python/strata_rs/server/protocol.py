@@ -81,6 +81,7 @@ _COMMON = (
     "stream_options",
     "logprobs",
     "response_format",
+    "prompt_logprobs",
     *_ENGINE_FIELDS,
 )
 _CHAT_FIELDS = frozenset(
@@ -337,6 +338,11 @@ class GenerationRequest:
     echo: bool = False
     # False for echo with max_tokens 0: the prompt is scored, nothing is generated.
     generate: bool = True
+    # completions with echo or prompt_logprobs: each text prompt's text (its ids are now in
+    # `prompts`), None for a prompt sent as ids.
+    prompt_texts: list[str | None] = field(default_factory=list)
+    # vLLM's prompt_logprobs: alternatives per prompt token (None: not asked for).
+    prompt_logprobs: int | None = None
     # chat: how the messages are rendered (app.py renders them: tools need the template's format).
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -376,7 +382,20 @@ def _common(body: Mapping[str, Any], kind: str, served: str) -> GenerationReques
     n = kwargs.get("n", 1)
     req.n = n if isinstance(n, int) and not isinstance(n, bool) else 1
     _response_format(body, req)
+    req.prompt_logprobs = _logprobs_count(body, "prompt_logprobs")
     return req
+
+
+def _logprobs_count(body: Mapping[str, Any], name: str) -> int | None:
+    """An alternatives count in [0, MAX_LOGPROBS], or None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(name, f"must be an integer, got {type_name(value)}")
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _response_format(body: Mapping[str, Any], req: GenerationRequest) -> None:
@@ -535,18 +554,11 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
     max_tokens = body.get("max_tokens")
     kwargs["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     req.echo = bool_field(body, "echo", False)
-    if req.echo:
-        if req.stream:
-            raise invalid("echo", "not supported with stream yet")
-        if type(max_tokens) is int and max_tokens == 0:
-            # Scoring a prompt (lm-eval's loglikelihood): nothing to generate.
-            req.generate = False
-    logprobs = body.get("logprobs")
+    if req.echo and type(max_tokens) is int and max_tokens == 0:
+        # Scoring a prompt (lm-eval's loglikelihood): nothing to generate.
+        req.generate = False
+    logprobs = _logprobs_count(body, "logprobs")
     if logprobs is not None:
-        if not isinstance(logprobs, int) or isinstance(logprobs, bool):
-            raise invalid("logprobs", f"must be an integer, got {type_name(logprobs)}")
-        if not 0 <= logprobs <= MAX_LOGPROBS:
-            raise invalid("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         kwargs["logprobs"] = logprobs
         req.logprobs = logprobs
     return req
@@ -629,6 +641,36 @@ class ChoiceResult:
     finish_reason: str | None = None
     # chat: the message (content, reasoning_content, tool_calls); None: the text is the content.
     message: dict[str, Any] | None = None
+    # The prompt's vLLM prompt_logprobs, when asked for.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[Mapping[str, Any] | None], top: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` from `Engine.prompt_logprobs`' entries: null for the first token,
+    then {token id: {logprob, rank, decoded_token}} for the `top` most likely tokens and the
+    prompt's own token (with its rank)."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        alternatives = {
+            str(t["token_id"]): {
+                "logprob": _lp(t["logprob"]),
+                "rank": r,
+                "decoded_token": t["token"],
+            }
+            for r, t in enumerate(e["top_logprobs"][:top], start=1)
+        }
+        alternatives[str(e["token_id"])] = {
+            "logprob": _lp(e["logprob"]),
+            "rank": e["rank"],
+            "decoded_token": e["token"],
+        }
+        out.append(alternatives)
+    return out
 
 
 def full_response(
@@ -655,8 +697,11 @@ def full_response(
             }
             for c in choices
         ]
+        if req.prompt_logprobs is not None:
+            for body_choice, c in zip(body_choices, choices, strict=True):
+                body_choice["prompt_logprobs"] = c.prompt_logprobs
         obj = "text_completion"
-    return {
+    out = {
         "id": req.request_id,
         "object": obj,
         "created": req.created,
@@ -665,6 +710,10 @@ def full_response(
         "usage": usage,
         "system_fingerprint": None,
     }
+    if req.kind == "chat" and req.prompt_logprobs is not None:
+        # vLLM's place for chat: the response's, one prompt for every choice.
+        out["prompt_logprobs"] = choices[0].prompt_logprobs if choices else None
+    return out
 
 
 def _dumps(obj: Any) -> str:
@@ -693,8 +742,13 @@ class ChunkWriter:
         self._role_sent: set[int] = set()
         self._offsets: dict[int, int] = {}
 
-    def _event(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        obj: dict[str, Any] = {**self._head, "choices": choices}
+    def _event(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> bytes:
+        obj: dict[str, Any] = {**self._head, "choices": choices, **extra}
         if self.req.include_usage:
             obj["usage"] = usage
         return sse(obj)
@@ -709,6 +763,16 @@ class ChunkWriter:
     ) -> bytes:
         """One choice's event. For chat, `message` (when given) is the text parsed into content,
         reasoning and tool calls, and `text` is not used."""
+        return self._event([self._choice(index, text, logprobs, finish_reason, message)])
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[Mapping[str, Any]] | None,
+        finish_reason: str | None,
+        message: MessageDelta | None = None,
+    ) -> dict[str, Any]:
         want_logprobs = self.req.logprobs is not None and logprobs is not None
         if self.req.kind == "chat":
             delta: dict[str, Any] = {}
@@ -741,6 +805,25 @@ class ChunkWriter:
                 "finish_reason": finish_reason,
             }
             self._offsets[index] = offset + sum(len(e["token"]) for e in logprobs or ())
+        return choice
+
+    def first(
+        self,
+        index: int,
+        text: str,
+        echo_entries: Sequence[Mapping[str, Any]] | None,
+        prompt_logprobs: list[dict[str, Any] | None] | None,
+    ) -> bytes:
+        """A choice's opening event before its generated tokens: the echoed prompt (completions)
+        and the prompt's prompt_logprobs (on the choice for completions, on the chunk for chat,
+        as vLLM places them)."""
+        wanted = self.req.prompt_logprobs is not None
+        if self.req.kind == "chat":
+            choice = self._choice(index, "", None, None)
+            return self._event([choice], **({"prompt_logprobs": prompt_logprobs} if wanted else {}))
+        choice = self._choice(index, text, echo_entries, None)
+        if wanted:
+            choice["prompt_logprobs"] = prompt_logprobs
         return self._event([choice])
 
     def usage(self, usage: dict[str, Any]) -> bytes:
