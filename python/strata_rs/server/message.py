@@ -22,8 +22,9 @@ class MessageParser:
     def __init__(self, tools: ToolOutput | None, reasoning: ReasoningSplitter | None) -> None:
         self.tools = tools
         self.reasoning = reasoning
-        self.content = ""
-        self.reasoning_content = ""
+        # Pieces, joined once by message(): a str grown a token at a time is copied each time.
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
 
     def feed(self, text: str, final: bool) -> MessageDelta:
         """The part of `text` that is certain now; `final` with the choice's last text."""
@@ -37,8 +38,10 @@ class MessageParser:
         calls: list[CallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
-        self.content += content
-        self.reasoning_content += reasoning
+        if content:
+            self._content.append(content)
+        if reasoning:
+            self._reasoning.append(reasoning)
         return MessageDelta(content, reasoning, calls)
 
     @property
@@ -48,13 +51,14 @@ class MessageParser:
     def message(self) -> dict[str, Any]:
         """The whole message, after the final `feed`. A message with tool calls and only
         whitespace around them has null content, as OpenAI's."""
-        out: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning is not None and self.reasoning_content:
-            out["reasoning_content"] = self.reasoning_content
+        content = "".join(self._content)
+        out: dict[str, Any] = {"role": "assistant", "content": content}
+        if self._reasoning:
+            out["reasoning_content"] = "".join(self._reasoning)
         if self.called:
             assert self.tools is not None
             out["tool_calls"] = self.tools.message_calls()
-            if not self.content.strip():
+            if not content.strip():
                 out["content"] = None
         return out
 

@@ -18,10 +18,13 @@ def prompt_opens_thinking(prompt: str) -> bool:
 
 
 def held_prefix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
+    """Length of the longest end of `text` that could be the start of `tag`. Runs on every
+    streamed chunk: one `find` of the tag's first character in the last few characters."""
+    at = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while at >= 0:
+        if tag.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(tag[0], at + 1)
     return 0
 
 

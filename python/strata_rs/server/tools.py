@@ -390,33 +390,62 @@ class CallParser:
         raise NotImplementedError
 
 
+class _GrowingText:
+    """Text that grows a piece at a time, as a stream gives it: an append costs the piece, and a
+    search for a tag looks at the new piece and the few characters before it. (A str attribute
+    grown by `+=` is copied whole each time: quadratic over a long answer.)"""
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._len = 0
+        self._tail = ""
+
+    def add(self, piece: str, tag: str = "") -> int:
+        """Appends `piece`; where `tag` now starts, if it ends in this piece, else -1."""
+        window = self._tail + piece
+        at = window.find(tag) if tag else -1
+        start = self._len - len(self._tail)
+        self._pieces.append(piece)
+        self._len += len(piece)
+        self._tail = window[max(0, len(window) - len(tag) + 1) :] if tag else ""
+        return start + at if at >= 0 else -1
+
+    def take(self) -> str:
+        """The whole text; the buffer is empty after."""
+        text = "".join(self._pieces)
+        self._pieces, self._len, self._tail = [], 0, ""
+        return text
+
+
 class HermesParser(CallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
-        self._buf = ""
+        self._held = ""  # outside a call: the end that may start a tag
+        self._body = _GrowingText()  # inside a call
         self._in_call = False
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        self._buf += text
         content: list[str] = []
         calls: list[ParsedCall] = []
-        while True:
+        while text:
             if not self._in_call:
-                at = self._buf.find(self.OPEN)
+                buf, text = self._held + text, ""
+                at = buf.find(self.OPEN)
                 if at < 0:
-                    keep = held_prefix(self._buf, self.OPEN)
-                    content.append(self._buf[: len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep :]
+                    keep = held_prefix(buf, self.OPEN)
+                    content.append(buf[: len(buf) - keep])
+                    self._held = buf[len(buf) - keep :]
                     break
-                content.append(self._buf[:at])
-                self._buf = self._buf[at + len(self.OPEN) :]
+                content.append(buf[:at])
+                self._held, text = "", buf[at + len(self.OPEN) :]
                 self._in_call = True
             else:
-                at = self._buf.find(self.CLOSE)
+                at = self._body.add(text, self.CLOSE)
                 if at < 0:
                     break
-                body, self._buf = self._buf[:at], self._buf[at + len(self.CLOSE) :]
+                full = self._body.take()
+                body, text = full[:at], full[at + len(self.CLOSE) :]
                 self._in_call = False
                 call = _call_from(_single_json(body))
                 if call is None:
@@ -426,10 +455,11 @@ class HermesParser(CallParser):
         return "".join(content), calls
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        rest, self._buf = self._buf, ""
         if not self._in_call:
+            rest, self._held = self._held, ""
             return rest, []
         # The output ended inside a call (a stop string, or the tag's end left out before EOS).
+        rest = self._body.take()
         call = _call_from(_single_json(rest))
         return ("", [call]) if call is not None else (self.OPEN + rest, [])
 
@@ -445,29 +475,34 @@ class Llama3JsonParser(CallParser):
     TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        self._buf = ""
+        self._buf = _GrowingText()
+        self._head = ""  # the answer's start, until it is decided
         self._mode: str | None = None  # "content" or "call" once decided
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         if self._mode == "content":
             return text, []
-        self._buf += text
-        if self._mode is None:
-            head = self._buf.lstrip()
-            if not head or (self.TAG.startswith(head) and head != self.TAG):
+        if self._mode == "call":
+            self._buf.add(text)
+            return "", []
+        self._head += text
+        head = self._head.lstrip()
+        if not head or (self.TAG.startswith(head) and head != self.TAG):
+            return "", []
+        if head.startswith(self.TAG):
+            head = head[len(self.TAG) :].lstrip()
+            if not head:
                 return "", []
-            if head.startswith(self.TAG):
-                head = head[len(self.TAG) :].lstrip()
-                if not head:
-                    return "", []
-            self._mode = "call" if head.startswith("{") else "content"
-            if self._mode == "content":
-                out, self._buf = self._buf, ""
-                return out, []
+        self._mode = "call" if head.startswith("{") else "content"
+        out, self._head = self._head, ""
+        if self._mode == "content":
+            return out, []
+        self._buf.add(out)
         return "", []
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        rest, self._buf = self._buf, ""
+        rest = self._head + self._buf.take()
+        self._head = ""
         if self._mode == "content" or not rest.strip():
             return rest, []
         body = rest.strip()
@@ -485,27 +520,30 @@ class MistralParser(CallParser):
     ARGS = "[ARGS]"
 
     def __init__(self) -> None:
-        self._buf = ""
+        self._held = ""  # before the calls: the end that may start the tag
+        self._calls = _GrowingText()  # after it
         self._in_calls = False
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        self._buf += text
         if self._in_calls:
+            self._calls.add(text)
             return "", []
-        at = self._buf.find(self.TAG)
+        buf = self._held + text
+        at = buf.find(self.TAG)
         if at < 0:
-            keep = held_prefix(self._buf, self.TAG)
-            out = self._buf[: len(self._buf) - keep]
-            self._buf = self._buf[len(self._buf) - keep :]
-            return out, []
-        out, self._buf = self._buf[:at], self._buf[at + len(self.TAG) :]
+            keep = held_prefix(buf, self.TAG)
+            self._held = buf[len(buf) - keep :]
+            return buf[: len(buf) - keep], []
+        self._held = ""
+        self._calls.add(buf[at + len(self.TAG) :])
         self._in_calls = True
-        return out, []
+        return buf[:at], []
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        rest, self._buf = self._buf, ""
         if not self._in_calls:
+            rest, self._held = self._held, ""
             return rest, []
+        rest = self._calls.take()
         calls = self._parse(rest)
         return ("", calls) if calls else (self.TAG + rest, [])
 
@@ -532,14 +570,14 @@ class RequiredParser(CallParser):
     """The constrained output of `tool_choice: required`: a JSON array of {name, parameters}."""
 
     def __init__(self) -> None:
-        self._buf = ""
+        self._buf = _GrowingText()
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
-        self._buf += text
+        self._buf.add(text)
         return "", []
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
-        rest, self._buf = self._buf, ""
+        rest = self._buf.take()
         value = _single_json(rest)
         calls = [_call_from(v, ("parameters",)) for v in value] if isinstance(value, list) else []
         if not calls or any(c is None for c in calls):
@@ -573,6 +611,8 @@ class ToolOutput:
     parser: CallParser | None = None
     count: int = 0
     calls: list[dict[str, Any]] = field(default_factory=list)
+    # A named call's arguments as they stream, joined by message_calls.
+    _arguments: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.request.named is None:
@@ -590,7 +630,7 @@ class ToolOutput:
             self.count = 1
             if first:
                 self.calls.append({"id": call_id(self.fmt), "name": named.name, "arguments": ""})
-            self.calls[0]["arguments"] += text
+            self._arguments.append(text)
             if first:
                 return "", [CallDelta(0, text, self.calls[0]["id"], named.name)]
             return "", [CallDelta(0, text)]
@@ -612,6 +652,8 @@ class ToolOutput:
 
     def message_calls(self) -> list[dict[str, Any]]:
         """The calls as `message.tool_calls`."""
+        if self._arguments:
+            self.calls[0]["arguments"] = "".join(self._arguments)
         return [
             {
                 "id": c["id"],
