@@ -3,10 +3,34 @@
 from collections.abc import AsyncIterator, Awaitable, Generator, Mapping, Sequence
 from os import PathLike
 from types import TracebackType
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, final
 
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "StrataError",
+    "ModelLoadError",
+    "InvalidRequest",
+    "ContextOverflow",
+    "DeviceUnavailable",
+    "EngineStopped",
+    "EngineBusy",
+    "Engine",
+    "LoadingEngine",
+    "Tokenizer",
+    "SamplingParams",
+    "TokenStream",
+    "StreamChunk",
+    "Completion",
+    "Choice",
+    "Usage",
+    "cuda_devices",
+    "validate_messages",
+    "quantize",
+    "dequantize",
+    "__version__",
+]
 
 __version__: str
 
@@ -56,6 +80,7 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
     objects, each with a known role and text content); raises InvalidRequest naming the message."""
 
+@final
 class Tokenizer:
     @staticmethod
     def load(path: str | PathLike[str]) -> Tokenizer:
@@ -73,7 +98,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = ...,
         **kwargs: Any,
     ) -> str:
         """Renders the model's chat template as transformers' apply_chat_template(tokenize=False)
@@ -95,12 +120,13 @@ class BenchResult(TypedDict):
     decode_weight_bytes: int
     read_bandwidth_gb_s: dict[int, float]
 
+@final
 class SamplingParams:
     """How to pick tokens and when to stop. Keyword arguments only; each is checked at once and
     InvalidRequest names a bad one (wrong type, out of range, unknown keyword)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         max_tokens: int | None = None,
         temperature: float = 1.0,
@@ -119,7 +145,7 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         structured_outputs: Mapping[str, Any] | None = None,
         logit_bias: Mapping[int | str, float] | None = None,
-    ) -> None:
+    ) -> SamplingParams:
         """`structured_outputs` (vLLM's): exactly one of `json` (a JSON schema, or its text),
         `json_object` (True: any JSON object), `regex`, `choice` (a list of strings) or `grammar`
         (a Lark grammar); the output then follows it (llguidance). The grammar is compiled when
@@ -183,6 +209,7 @@ class PromptTokenLogprob(TokenLogprob):
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
+@final
 class Usage:
     @property
     def prompt_tokens(self) -> int: ...
@@ -193,6 +220,7 @@ class Usage:
     def cached_tokens(self) -> int:
         """Prompt tokens whose K/V came from the cache instead of a prefill."""
 
+@final
 class StreamChunk:
     @property
     def index(self) -> int:
@@ -211,6 +239,7 @@ class StreamChunk:
     def usage(self) -> Usage | None:
         """Set on the stream's last chunk."""
 
+@final
 class TokenStream(AsyncIterator[StreamChunk]):
     """The chunks of one request. Dropping it (break, a cancelled task) cancels the request; the
     engine frees its blocks at its next step. Raises EngineStopped if the engine closes first.
@@ -228,6 +257,7 @@ class TokenStream(AsyncIterator[StreamChunk]):
     @property
     def request_id(self) -> int: ...
 
+@final
 class Choice:
     @property
     def index(self) -> int: ...
@@ -240,6 +270,7 @@ class Choice:
     @property
     def finish_reason(self) -> FinishReason | None: ...
 
+@final
 class Completion:
     """A whole answer; text, token_ids, logprobs and finish_reason are those of choice 0."""
 
@@ -391,6 +422,7 @@ class EngineStatsDict(TypedDict):
 
 Prompt = str | Sequence[int]
 
+@final
 class LoadingEngine:
     """What Engine.load returns: await it for the engine (`await Engine.load(...)`), or use it
     as an async context manager (`async with Engine.load(...) as engine:`), which closes the
@@ -405,6 +437,7 @@ class LoadingEngine:
         tb: TracebackType | None,
     ) -> Awaitable[None]: ...
 
+@final
 class Engine:
     """The engine. Its awaitables and streams work under asyncio (and uvloop) and trio, the
     library running the caller, chosen as anyio does (sniffio); on either, cancelling the
@@ -503,7 +536,7 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = ...,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> TokenStream:
@@ -520,7 +553,7 @@ class Engine:
         messages: Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = ...,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Awaitable[Completion]:

@@ -252,7 +252,15 @@ impl PySamplingParams {
     /// skip_special_tokens, structured_outputs, logit_bias. Checked at once; InvalidRequest names the bad
     /// one (a grammar is compiled when the request is submitted).
     #[new]
-    #[pyo3(signature = (**kwargs))]
+    // Keywords are read from **kwargs (so that a bad one is an InvalidRequest naming it); the
+    // text signature tells Python tools (and the stub check) which there are.
+    #[pyo3(
+        signature = (**kwargs),
+        text_signature = "(*, max_tokens=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, \
+            repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, \
+            stop=None, stop_token_ids=None, ignore_eos=False, logprobs=None, n=1, \
+            skip_special_tokens=True, structured_outputs=None, logit_bias=None)"
+    )]
     fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         let mut p = SamplingParams::default();
         if let Some(kw) = kwargs {
