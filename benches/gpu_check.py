@@ -406,7 +406,8 @@ def run_rust_tests(directory: Path) -> dict[str, Any]:
         # The library's tests: only the GPU ones (the rest ran in CI).
         filters = ["device::cuda"] if binary.name.startswith("strata_rs") else []
         p = subprocess.run(
-            [str(binary), *filters, "--test-threads=1"],
+            # The GPU tests are #[ignore]d (cargo reports them so on machines without a GPU).
+            [str(binary), *filters, "--include-ignored", "--test-threads=1"],
             env=env,
             capture_output=True,
             text=True,

@@ -1,5 +1,6 @@
-//! Every CUDA kernel against its CPU twin, on random inputs. These need a GPU: without one they
-//! print why and return (`STRATA_REQUIRE_GPU=1` makes that a failure). The tolerance of each
+//! Every CUDA kernel against its CPU twin, on random inputs. These need a GPU, so cargo reports
+//! them as ignored unless run with `--include-ignored`; then, without a GPU, they print why and
+//! return (`STRATA_REQUIRE_GPU=1`, the GPU bundle's, makes that a failure). The tolerance of each
 //! comparison is stated where it is made, with the reason. What can run without a GPU does:
 //! `attention_cases_are_sound_on_the_cpu` checks the attention harness (caches, tables, rows)
 //! against the f64 reference.
@@ -74,6 +75,7 @@ fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn rmsnorm_matches_the_cpu() {
     let Some(gpu) = gpu_or_skip("rmsnorm_matches_the_cpu") else {
         return;
@@ -111,6 +113,7 @@ fn rmsnorm_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn rope_matches_the_cpu_bit_for_bit() {
     let Some(gpu) = gpu_or_skip("rope_matches_the_cpu_bit_for_bit") else {
         return;
@@ -150,6 +153,7 @@ fn rope_matches_the_cpu_bit_for_bit() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn rope_past_the_table_is_nan() {
     let Some(gpu) = gpu_or_skip("rope_past_the_table_is_nan") else {
         return;
@@ -173,6 +177,7 @@ fn rope_past_the_table_is_nan() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn silu_mul_matches_the_cpu() {
     let Some(gpu) = gpu_or_skip("silu_mul_matches_the_cpu") else {
         return;
@@ -196,6 +201,7 @@ fn silu_mul_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn residual_add_is_exact() {
     let Some(gpu) = gpu_or_skip("residual_add_is_exact") else {
         return;
@@ -215,6 +221,7 @@ fn residual_add_is_exact() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn embedding_matches_the_cpu_exactly_for_every_dtype() {
     let Some(gpu) = gpu_or_skip("embedding_matches_the_cpu_exactly_for_every_dtype") else {
         return;
@@ -332,6 +339,7 @@ fn gpu_kv_write<T: KvElem + cudarc::driver::ValidAsZeroBits + Default + Clone>(
 /// K/V caches written by the GPU equal the block pool's, bit for bit, for f32 and f16, in the
 /// CPU pool's layout and in the engine's block-major device layout.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn kv_write_matches_the_block_pool_bit_for_bit() {
     let Some(gpu) = gpu_or_skip("kv_write_matches_the_block_pool_bit_for_bit") else {
         return;
@@ -667,6 +675,7 @@ fn attention_cases_are_sound_on_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn paged_attention_matches_the_cpu() {
     let Some(gpu) = gpu_or_skip("paged_attention_matches_the_cpu") else {
         return;
@@ -679,6 +688,7 @@ fn paged_attention_matches_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn paged_attention_with_a_bad_block_id_is_nan_not_a_fault() {
     let Some(gpu) = gpu_or_skip("paged_attention_with_a_bad_block_id_is_nan_not_a_fault") else {
         return;
@@ -722,6 +732,7 @@ fn first_argmax(row: &[f32]) -> u32 {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn argmax_matches_the_greedy_samplers() {
     let Some(gpu) = gpu_or_skip("argmax_matches_the_greedy_samplers") else {
         return;
@@ -764,6 +775,7 @@ fn argmax_matches_the_greedy_samplers() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn wrappers_refuse_mismatched_shapes_before_launching() {
     let Some(gpu) = gpu_or_skip("wrappers_refuse_mismatched_shapes_before_launching") else {
         return;
@@ -787,6 +799,7 @@ fn wrappers_refuse_mismatched_shapes_before_launching() {
 /// f32 to bf16 and f16 on the GPU round as the `half` crate does, bit for bit, the edges
 /// included (ties, subnormals, overflow, infinities, NaN).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn cast_rounds_as_the_half_crate() {
     let Some(gpu) = gpu_or_skip("cast_rounds_as_the_half_crate") else {
         return;
@@ -843,6 +856,7 @@ fn cast_rounds_as_the_half_crate() {
 /// The bias add and the gathered final norm, against the CPU's arithmetic: exact for the add;
 /// the norm as `rmsnorm_matches_the_cpu` states, and a bad index gives NaN.
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn add_bias_and_rmsnorm_rows_match_the_cpu() {
     let Some(gpu) = gpu_or_skip("add_bias_and_rmsnorm_rows_match_the_cpu") else {
         return;
@@ -907,6 +921,7 @@ fn add_bias_and_rmsnorm_rows_match_the_cpu() {
 /// of the sum of |terms| here, 4e-5 allowed (a wrong transpose, stride or dtype is off by the
 /// size of the terms).
 #[test]
+#[ignore = "needs a CUDA GPU: cargo test --features cuda -- --include-ignored"]
 fn cublas_products_match_the_cpu_linear() {
     use super::blas::{DeviceMatrix, Scratch};
     use crate::model::kernels::cpu::matmul::{linear, MatmulScratch};
