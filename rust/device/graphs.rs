@@ -391,6 +391,7 @@ fn mib(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::kernels::cpu::test_rng::Rng;
     use std::cell::RefCell;
     use std::rc::Rc;
 
@@ -951,17 +952,6 @@ mod tests {
         assert_eq!(device.borrow().live.len(), 0);
     }
 
-    struct XorShift(u64);
-
-    impl XorShift {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-    }
-
     #[test]
     fn ten_thousand_random_batches_keep_the_bounds_and_the_books() {
         // max_batch 200: padded sizes 1..128 and 200. A graph takes 1000 bytes per padded row
@@ -978,13 +968,13 @@ mod tests {
             (40, CaptureError::Other("a".into())),
             (41, CaptureError::Other("b".into())),
         ]);
-        let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let (mut replays, mut uncaptured) = (0u64, 0u64);
         for _ in 0..10_000 {
             // Log-uniform-ish sizes in 0..=256, so that small and large padded sizes both come
             // up, and 0 and 201..=256 are out of range.
-            let ceiling = 1u64 << (rng.next() % 9);
-            let batch = (rng.next() % (ceiling + 1)) as usize;
+            let ceiling = 1u64 << (rng.next_u() % 9);
+            let batch = (rng.next_u() % (ceiling + 1)) as usize;
             let hits_before = cache.stats().hits;
             let expected = cache.padded(batch);
             match cache.get_or_capture(batch) {

@@ -11,7 +11,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::doorbell::deferring_rings;
 use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
 use super::runner::ModelRunner;
-use super::sampler::Sampler;
+use super::sampler::{splitmix, Sampler};
 use super::scheduler::{Chunk, Scheduler};
 use super::sequence::Sequence;
 use super::stats::EngineStats;
@@ -538,13 +538,6 @@ impl EngineCore {
         self.local.stopped = Some(reason);
         self.publish_stats(None, &[]);
     }
-}
-
-fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Sends queued events in order; the event loops they wake are rung once each after the last

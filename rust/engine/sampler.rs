@@ -842,7 +842,13 @@ struct Xoshiro256StarStar {
     state: [u64; 4],
 }
 
-/// One step of splitmix64 (Steele, Lea & Flood), used only to seed xoshiro.
+/// splitmix64's output for `z` (one step from state `z`): how the engine derives a choice's seed.
+pub fn splitmix(z: u64) -> u64 {
+    let mut state = z;
+    splitmix64(&mut state)
+}
+
+/// One step of splitmix64 (Steele, Lea & Flood), used to seed xoshiro.
 fn splitmix64(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;

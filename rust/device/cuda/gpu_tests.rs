@@ -12,32 +12,8 @@ use super::kernels::{attention_rows, DeviceRopeTable, KvElem, KvLayout, SLOT_SKI
 use super::test_support::{gpu_or_skip, Gpu};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch, KvData};
+use crate::model::kernels::cpu::test_rng::Rng;
 use crate::model::kernels::cpu::{embedding, rmsnorm, rope, swiglu, MatRef, WeightData};
-
-/// xorshift64, as the CPU kernels' tests use: a failure reproduces from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Uniform in [-1, 1).
-    fn next(&mut self) -> f32 {
-        ((self.next_u() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.next() * scale).collect()
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u() % n as u64) as usize
-    }
-}
 
 fn upload<T: cudarc::driver::DeviceRepr>(gpu: &Gpu, host: &[T]) -> CudaSlice<T> {
     gpu.stream.clone_htod(host).expect("a host-to-device copy")
@@ -82,7 +58,7 @@ fn rmsnorm_matches_the_cpu() {
     };
     let mut rng = Rng(5);
     for &(rows, d) in &[(1usize, 576usize), (3, 67), (5, 1), (300, 64), (7, 4096)] {
-        let x = rng.vec(rows * d, 4.0);
+        let x = rng.scaled(rows * d, 4.0);
         let w: Vec<f32> = (0..d).map(|_| rng.next() + 1.0).collect();
         let mut want = vec![0.0; rows * d];
         rmsnorm::rmsnorm(&x, &w, 1e-6, &mut want);
@@ -129,7 +105,7 @@ fn rope_matches_the_cpu_bit_for_bit() {
         let table = rope::RopeTable::try_new(head_dim, 10000.0, &scaling, 300).expect("a table");
         let dtable = DeviceRopeTable::upload(&gpu.stream, &table).expect("the table uploads");
         let positions: Vec<u32> = vec![0, 1, 17, 63, 64, 65, 200, 299];
-        let x = rng.vec(positions.len() * n_heads * head_dim, 1.0);
+        let x = rng.scaled(positions.len() * n_heads * head_dim, 1.0);
         let mut want = x.clone();
         for (t, &pos) in positions.iter().enumerate() {
             let row = &mut want[t * n_heads * head_dim..(t + 1) * n_heads * head_dim];
@@ -185,8 +161,8 @@ fn silu_mul_matches_the_cpu() {
     let mut rng = Rng(9);
     // Odd lengths, and one past ELEMENTWISE_MAX_BLOCKS * 256 so the grid-stride loop wraps.
     for &len in &[1usize, 15, 17, 1000, 65_536 * 256 + 5] {
-        let gate = rng.vec(len, 30.0);
-        let up = rng.vec(len, 3.0);
+        let gate = rng.scaled(len, 30.0);
+        let up = rng.scaled(len, 3.0);
         let mut want = gate.clone();
         swiglu::silu_mul(&mut want, &up);
         let mut dgate = upload(&gpu, &gate);
@@ -208,7 +184,7 @@ fn residual_add_is_exact() {
     };
     let mut rng = Rng(3);
     for &len in &[1usize, 1000, 70_001] {
-        let (x, y) = (rng.vec(len, 10.0), rng.vec(len, 10.0));
+        let (x, y) = (rng.scaled(len, 10.0), rng.scaled(len, 10.0));
         let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
         let mut dx = upload(&gpu, &x);
         let dy = upload(&gpu, &y);
@@ -228,7 +204,7 @@ fn embedding_matches_the_cpu_exactly_for_every_dtype() {
     };
     let mut rng = Rng(42);
     for &(vocab, hidden) in &[(7usize, 33usize), (50, 64), (3, 1), (1000, 896)] {
-        let wf = rng.vec(vocab * hidden, 100.0);
+        let wf = rng.scaled(vocab * hidden, 100.0);
         let wh: Vec<f16> = wf.iter().map(|&v| f16::from_f32(v)).collect();
         let wb: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
         let tokens: Vec<u32> = vec![0, vocab as u32 / 2, vocab as u32 - 1, vocab as u32 / 3];
@@ -354,8 +330,8 @@ fn kv_write_matches_the_block_pool_bit_for_bit() {
     // Rows at scattered slots, one padded row that must not be written.
     let slots: Vec<u32> = vec![0, 17, 5 * 16 + 15, 3 * 16 + 2, SLOT_SKIP, 2 * 16 + 9];
     // Values beyond f16's range and below its precision too: the rounding must agree.
-    let mut k = rng.vec(slots.len() * width, 4.0);
-    let v = rng.vec(slots.len() * width, 4.0);
+    let mut k = rng.scaled(slots.len() * width, 4.0);
+    let v = rng.scaled(slots.len() * width, 4.0);
     k[3] = 1e6;
     k[4] = 1e-9;
     for dtype in [KvDtype::F32, KvDtype::F16] {
@@ -449,7 +425,7 @@ fn attention_inputs(case: &AttentionCase, dtype: KvDtype, seed: u64) -> Attentio
         // The history and the new rows' own K/V, as the forward pass writes them first.
         for pos in 0..start + n {
             let slot = pool.slot(table, pos);
-            pool.write(0, slot, &rng.vec(width, 1.0), &rng.vec(width, 1.0));
+            pool.write(0, slot, &rng.scaled(width, 1.0), &rng.scaled(width, 1.0));
         }
         let table_start = tables.len() as u32;
         tables.extend_from_slice(table);
@@ -462,7 +438,7 @@ fn attention_inputs(case: &AttentionCase, dtype: KvDtype, seed: u64) -> Attentio
         }
     }
     // Queries up to 3 in magnitude, so that softmax is far from uniform.
-    let q = rng.vec(rows.len() * n_heads * head_dim, 3.0);
+    let q = rng.scaled(rows.len() * n_heads * head_dim, 3.0);
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut want = vec![0.0; q.len()];
     let mut scratch = AttnScratch::new(rows.len(), n_heads, head_dim, 2);
@@ -740,7 +716,7 @@ fn argmax_matches_the_greedy_samplers() {
     let mut rng = Rng(23);
     for vocab in [1usize, 31, 257, 151_936] {
         let rows = 6;
-        let mut logits = rng.vec(rows * vocab, 20.0);
+        let mut logits = rng.scaled(rows * vocab, 20.0);
         let at = |r: usize, i: usize| r * vocab + i.min(vocab - 1);
         // Row 1: the maximum twice, late then early: the earlier index wins.
         logits[at(1, vocab - 1)] = 100.0;
@@ -805,7 +781,7 @@ fn cast_rounds_as_the_half_crate() {
         return;
     };
     let mut rng = Rng(29);
-    let mut x = rng.vec(4096, 100.0);
+    let mut x = rng.scaled(4096, 100.0);
     x.extend_from_slice(&[
         0.0,
         -0.0,
@@ -863,8 +839,8 @@ fn add_bias_and_rmsnorm_rows_match_the_cpu() {
     };
     let mut rng = Rng(31);
     let (rows, cols) = (7usize, 300usize);
-    let y = rng.vec(rows * cols, 3.0);
-    let bias = rng.vec(cols, 1.0);
+    let y = rng.scaled(rows * cols, 3.0);
+    let bias = rng.scaled(cols, 1.0);
     let want: Vec<f32> = y
         .iter()
         .enumerate()
@@ -932,8 +908,8 @@ fn cublas_products_match_the_cpu_linear() {
     let blas = super::blas::Blas::new(&gpu.stream).expect("cuBLAS starts");
     let mut rng = Rng(37);
     for &(n, rows, cols) in &[(1usize, 96usize, 64usize), (8, 576, 192), (70, 129, 333)] {
-        let w32 = rng.vec(rows * cols, 1.0);
-        let x = rng.vec(n * cols, 2.0);
+        let w32 = rng.scaled(rows * cols, 1.0);
+        let x = rng.scaled(n * cols, 2.0);
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
             // The weights as stored, the CPU's view of them, and the activations the GPU
             // multiplies (rounded for half weights).

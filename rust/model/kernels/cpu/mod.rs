@@ -14,7 +14,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;
 #[cfg(test)]
-mod test_rng;
+pub(crate) mod test_rng;
 
 use half::{bf16, f16};
 

@@ -1,4 +1,4 @@
-//! What the kernel tests share: deterministic random numbers (xorshift64: no rand crate, and a
+//! What the crate's tests share: deterministic random numbers (xorshift64: no rand crate, and a
 //! failure reproduces from its seed), and thread pools of given sizes for invariance checks.
 
 pub struct Rng(pub u64);
@@ -18,6 +18,16 @@ impl Rng {
 
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.next()).collect()
+    }
+
+    /// Uniform in [-scale, scale).
+    pub fn scaled(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+
+    /// Uniform in 0..n (n > 0).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u() % n as u64) as usize
     }
 }
 
