@@ -277,3 +277,68 @@ def test_trio_streams_fall_back_to_futures_without_the_hooks(
 
     ids, expected = trio.run(main)
     assert ids == expected
+
+
+def test_a_trio_stream_call_parks_with_trios_own_message(model_dir: MakeModel) -> None:
+    """A pending `__anext__` on trio yields the message `wait_task_rescheduled` yields (the
+    extension builds it without the class's `__init__`): trio's class, equal to the one the class
+    builds, naming the awaitable as its abort function. Closed before any drain could resume the
+    task, the call gives up its place and the chunk stays in the stream."""
+    import trio
+    from trio._core._traps import WaitTaskRescheduled
+
+    model = long_model(model_dir)
+    prompt = [9, 10, 11]
+
+    async def main() -> tuple[list[int], list[int]]:
+        expected = await solo_ids(model, prompt)
+        engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+        try:
+            stream = engine.generate(prompt, **PARAMS)
+            ids: list[int] = []
+            while True:
+                call = stream.__anext__()
+                try:
+                    message = call.send(None)
+                except StopIteration as ready:  # the chunk was there already
+                    ids += ready.value.token_ids
+                    continue
+                call.close()
+                break
+            assert type(message) is WaitTaskRescheduled
+            assert message == WaitTaskRescheduled(call)
+            assert message.abort_func is call
+            with trio.fail_after(60):
+                ids += await read_all(stream)
+            return ids, expected
+        finally:
+            await engine.close()
+
+    ids, expected = trio.run(main)
+    assert ids == expected
+
+
+def test_a_trio_stream_read_across_two_runs(model_dir: MakeModel) -> None:
+    """A stream remembers the loop of its last call; a call from another trio run must use that
+    run's loop and dispatcher, not the old run's (whose watcher is gone: the call would hang)."""
+    import trio
+
+    model = long_model(model_dir)
+    prompt = [9, 10, 11]
+
+    async def first() -> tuple[list[int], Engine, Any, list[int]]:
+        expected = await solo_ids(model, prompt)
+        engine = await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+        stream = engine.generate(prompt, **PARAMS)
+        return expected, engine, stream, (await stream.__anext__()).token_ids
+
+    expected, engine, stream, head = trio.run(first)
+
+    async def second() -> list[int]:
+        try:
+            with trio.fail_after(60):
+                return await read_all(stream)
+        finally:
+            await engine.close()
+
+    assert head + trio.run(second) == expected

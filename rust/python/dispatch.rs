@@ -23,14 +23,18 @@
 //! `WaitTaskRescheduled` message, with itself as the abort function), and `drain` hands it the
 //! chunk and calls the run's `reschedule` for its task. Per chunk that skips a Python future and
 //! its `done`/`set_result` frames, an `outcome.Value`, and trio's `wait_task_rescheduled`
-//! coroutine and unwrapping. The trio objects it needs come from `TrioLoop.stream_hooks()`;
-//! when that gives None (a trio whose internals moved), streams use `create_future` as asyncio
-//! does.
+//! coroutine and unwrapping. The message is built without its class's Python `__init__`, the
+//! task is resumed with None (the interpreter then takes `__next__`, not a `send` method call),
+//! and a stream's later calls in the same run reuse its loop without trio's RunVar lookup
+//! (`same_trio_run`): Python frames per chunk that were ours, not trio's. The trio objects it
+//! needs come from `TrioLoop.stream_hooks()`; when that gives None (a trio whose internals
+//! moved), streams use `create_future` as asyncio does.
 
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyStopIteration};
+use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -56,17 +60,21 @@ struct Waiting {
 
 /// The trio objects [`TrioNext`] uses, from `TrioLoop.stream_hooks()` (see its docstring).
 struct TrioHooks {
-    /// trio's run context (a thread-local): its `task` is the task running now.
+    /// trio's run context (a thread-local): its `task` is the task running now, its `runner`
+    /// the run of this thread.
     run_context: Py<PyAny>,
+    /// The run these hooks belong to.
+    runner: Py<PyAny>,
     /// The run's `reschedule(task, next_send)`.
     reschedule: Py<PyAny>,
     /// `WaitTaskRescheduled`: what a task yields to trio to be parked until rescheduled.
     park: Py<PyAny>,
+    /// `object.__new__`, to build a `park` message without its Python `__init__` (one is built
+    /// per chunk), when that gives the same message (checked once, in `from_loop`).
+    new_park: Option<Py<PyAny>>,
     /// `Abort.SUCCEEDED` and `Abort.FAILED`.
     abort_succeeded: Py<PyAny>,
     abort_failed: Py<PyAny>,
-    /// Sent to a task rescheduled with its chunk, which the awaitable holds (never unwrapped).
-    resume: Py<PyAny>,
 }
 
 impl TrioHooks {
@@ -79,17 +87,62 @@ impl TrioHooks {
         if hooks.is_none() {
             return Ok(None);
         }
-        let (run_context, reschedule, park, abort_succeeded, abort_failed, resume) =
+        let (run_context, runner, park, abort_succeeded, abort_failed): (_, Py<PyAny>, _, _, _) =
             hooks.extract()?;
-        Ok(Some(TrioHooks {
+        let reschedule = runner.bind(py).getattr(intern!(py, "reschedule"))?.unbind();
+        let mut trio = TrioHooks {
             run_context,
+            runner,
             reschedule,
             park,
+            new_park: Some(
+                py.get_type::<PyAny>()
+                    .getattr(intern!(py, "__new__"))?
+                    .unbind(),
+            ),
             abort_succeeded,
             abort_failed,
-            resume,
-        }))
+        };
+        // The message built the short way must be the one trio's class builds (an attrs class
+        // today); should that change, messages go through the class again.
+        if !short_park_matches(py, &trio).unwrap_or(false) {
+            trio.new_park = None;
+        }
+        Ok(Some(trio))
     }
+
+    /// trio's message that parks the running task with `abort` as its abort function.
+    fn park_message<'py>(
+        &self,
+        py: Python<'py>,
+        abort: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let park = self.park.bind(py);
+        let Some(new) = &self.new_park else {
+            return park.call1((abort,));
+        };
+        let message = new.bind(py).call1((park,))?;
+        // The instance's own attribute, as the class's `__init__` sets it (frozen: its
+        // `__setattr__` refuses, so this goes around it as attrs does).
+        let name = intern!(py, "abort_func");
+        // SAFETY: all three are live objects; the GIL is held.
+        if unsafe { ffi::PyObject_GenericSetAttr(message.as_ptr(), name.as_ptr(), abort.as_ptr()) }
+            < 0
+        {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(message)
+    }
+}
+
+/// Whether `park_message`'s short way builds a message equal to the class's own.
+fn short_park_matches(py: Python<'_>, hooks: &TrioHooks) -> PyResult<bool> {
+    let abort = hooks.abort_failed.bind(py);
+    let short = hooks.park_message(py, abort)?;
+    let long = hooks.park.bind(py).call1((abort,))?;
+    Ok(short.get_type().is(long.get_type())
+        && short.eq(&long)?
+        && short.getattr(intern!(py, "abort_func"))?.is(abort))
 }
 
 #[pyclass(frozen)]
@@ -230,8 +283,9 @@ impl TrioNext {
     }
 
     /// Started (`value` None): the chunk at once when it is there, else parks the task (yields
-    /// trio's message). Resumed by trio: the chunk `drain` left, or the outcome trio sent
-    /// (a cancellation's `Cancelled`).
+    /// trio's message). Resumed by trio: the chunk `drain` left (sent None, so that the
+    /// interpreter resumes it through `__next__` rather than a `send` method call), or the
+    /// outcome trio sent (a cancellation's `Cancelled`).
     fn send(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         let this = slf.get();
@@ -274,7 +328,7 @@ impl TrioNext {
             }
         };
         match parked {
-            Some(()) => Ok(this.hooks.park.bind(py).call1((slf,))?.unbind()),
+            Some(()) => Ok(this.hooks.park_message(py, slf.as_any())?.unbind()),
             None => Err(this.hand_out()),
         }
     }
@@ -345,10 +399,7 @@ fn resume(py: Python<'_>, next: &TrioNext, outcome: PyResult<Py<PyAny>>) -> PyRe
         }
     };
     if let Some(task) = task {
-        next.hooks
-            .reschedule
-            .bind(py)
-            .call1((task, next.hooks.resume.bind(py)))?;
+        next.hooks.reschedule.bind(py).call1((task, py.None()))?;
     }
     Ok(())
 }
@@ -420,6 +471,9 @@ pub fn current_dispatcher<'py>(
     py: Python<'py>,
     last: &Mutex<Option<(Py<PyAny>, Py<LoopDispatcher>)>>,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, LoopDispatcher>)> {
+    if let Some(same) = same_trio_run(py, last)? {
+        return Ok(same);
+    }
     let event_loop = current_loop(py)?;
     let known = lock(last)
         .as_ref()
@@ -431,6 +485,37 @@ pub fn current_dispatcher<'py>(
     let dispatcher = dispatcher_for(&event_loop)?;
     *lock(last) = Some((event_loop.clone().unbind(), dispatcher.clone().unbind()));
     Ok((event_loop, dispatcher))
+}
+
+/// `last` when it is a trio run's and a task of that run is running now: its loop is the one
+/// `current_loop` would give (one loop per run), without the lookup, which on trio is Python
+/// (sniffio's name, then the run's RunVar).
+fn same_trio_run<'py>(
+    py: Python<'py>,
+    last: &Mutex<Option<(Py<PyAny>, Py<LoopDispatcher>)>>,
+) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, LoopDispatcher>)>> {
+    let Some((event_loop, dispatcher)) = lock(last)
+        .as_ref()
+        .filter(|(_, d)| d.get().trio.is_some())
+        .map(|(l, d)| (l.clone_ref(py), d.clone_ref(py)))
+    else {
+        return Ok(None);
+    };
+    let Some(hooks) = &dispatcher.get().trio else {
+        return Ok(None);
+    };
+    let run_context = hooks.run_context.bind(py);
+    // `task` is there only while one of the thread's trio tasks runs: not in a guest run's
+    // host-loop callbacks, where the caller may be an asyncio task.
+    if run_context.getattr_opt(intern!(py, "task"))?.is_none() {
+        return Ok(None);
+    }
+    match run_context.getattr_opt(intern!(py, "runner"))? {
+        Some(runner) if runner.is(&hooks.runner) => {
+            Ok(Some((event_loop.into_bound(py), dispatcher.into_bound(py))))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// The dispatcher of `event_loop`, created and registered with it on first use. Kept in a

@@ -156,26 +156,20 @@ class TrioLoop:
 
     def stream_hooks(self) -> tuple[Any, ...] | None:
         """For the extension's stream chunks (`TrioNext`, rust/python/dispatch.rs): trio's run
-        context (its `task` is the running task), this run's `reschedule`, the message a task
-        yields to be parked (`WaitTaskRescheduled`, what `wait_task_rescheduled` yields),
-        `Abort.SUCCEEDED`, `Abort.FAILED` and the value a rescheduled task is sent. Those are
-        trio's internals, stable for years but not public: None when they are not there, and
-        streams then use `create_future` like every other awaitable."""
+        context (its `task` is the running task, its `runner` the thread's run), this run's
+        runner (whose `reschedule` the extension calls), the message a task yields to be parked
+        (`WaitTaskRescheduled`, what `wait_task_rescheduled` yields), `Abort.SUCCEEDED` and
+        `Abort.FAILED`. Those are trio's internals, stable for years but not public: None when
+        they are not there, and streams then use `create_future` like every other awaitable."""
         try:
             from trio._core._run import GLOBAL_RUN_CONTEXT
             from trio._core._traps import WaitTaskRescheduled
 
-            reschedule = GLOBAL_RUN_CONTEXT.runner.reschedule
+            runner = GLOBAL_RUN_CONTEXT.runner
+            runner.reschedule  # noqa: B018 (checked here, used by the extension)
         except (ImportError, AttributeError):
             return None
-        return (
-            GLOBAL_RUN_CONTEXT,
-            reschedule,
-            WaitTaskRescheduled,
-            Abort.SUCCEEDED,
-            Abort.FAILED,
-            Value(None),
-        )
+        return (GLOBAL_RUN_CONTEXT, runner, WaitTaskRescheduled, Abort.SUCCEEDED, Abort.FAILED)
 
     def add_reader(self, fd: int, callback: Callable[[], object]) -> None:
         """Runs `callback()` whenever `fd` is readable, until the run ends. The callback must make
