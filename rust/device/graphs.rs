@@ -973,8 +973,8 @@ mod tests {
         for _ in 0..10_000 {
             // Log-uniform-ish sizes in 0..=256, so that small and large padded sizes both come
             // up, and 0 and 201..=256 are out of range.
-            let ceiling = 1u64 << (rng.next_u() % 9);
-            let batch = (rng.next_u() % (ceiling + 1)) as usize;
+            let ceiling = 1usize << rng.below(9);
+            let batch = rng.below(ceiling + 1);
             let hits_before = cache.stats().hits;
             let expected = cache.padded(batch);
             match cache.get_or_capture(batch) {

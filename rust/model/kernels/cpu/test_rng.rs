@@ -16,8 +16,9 @@ impl Rng {
         ((self.next_u() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
+    /// Uniform in [-1, 1).
     pub fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.next()).collect()
+        self.scaled(n, 1.0)
     }
 
     /// Uniform in [-scale, scale).
