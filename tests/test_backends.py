@@ -7,6 +7,9 @@ one or duplicates one fails; cancellation is checked in the engine's own counter
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -342,3 +345,55 @@ def test_a_trio_stream_read_across_two_runs(model_dir: MakeModel) -> None:
             await engine.close()
 
     assert head + trio.run(second) == expected
+
+
+def eventfds() -> int:
+    """How many eventfds this process holds open (the stream dispatchers' doorbells among them)."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        try:
+            count += os.readlink(fd) == "anon_inode:[eventfd]"
+        except OSError:  # closed between the listing and the read
+            continue
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts fds through /proc")
+def test_finished_trio_runs_free_their_loop_and_eventfd(model_dir: MakeModel) -> None:
+    """Each trio run gets a loop and a dispatcher with its own eventfd; when the run ends they
+    go with it (the dispatcher lets go of the run's runner, which held the loop), however many
+    runs stream from one engine."""
+    import trio
+    from strata_rs._async import _trio
+
+    model = long_model(model_dir)
+    prompt = [9, 10, 11]
+
+    async def load() -> tuple[list[int], Engine]:
+        expected = await solo_ids(model, prompt)
+        return expected, await Engine.load(model, host_cache_mib=0, disk_cache_mib=0)
+
+    expected, engine = trio.run(load)
+    loops: list[weakref.ref[Any]] = []
+
+    async def stream_once() -> list[int]:
+        loops.append(weakref.ref(_trio.current_loop()))
+        with trio.fail_after(60):
+            return await read_all(engine.generate(prompt, **PARAMS))
+
+    try:
+        assert trio.run(stream_once) == expected
+        gc.collect()
+        after_one = eventfds()
+        for _ in range(6):
+            assert trio.run(stream_once) == expected
+        gc.collect()
+        assert [loop() for loop in loops] == [None] * 7
+        assert eventfds() == after_one
+    finally:
+
+        async def close() -> None:
+            await engine.close()
+
+        trio.run(close)

@@ -38,6 +38,7 @@ use pyo3::ffi;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
+use pyo3::types::IntoPyDict;
 
 use super::awaitable::current_loop;
 use super::stream::StreamShared;
@@ -152,8 +153,12 @@ pub struct LoopDispatcher {
     waker: Waker,
     /// In `__anext__` order, so that two pending calls on one stream get its chunks in order.
     waiting: Mutex<Vec<Waiting>>,
-    /// Set for a trio run: its streams' calls return [`TrioNext`]s.
-    trio: Option<Arc<TrioHooks>>,
+    /// Set for a trio run: its streams' calls return [`TrioNext`]s. Taken by `close` when the
+    /// run ends: the hooks hold the run's runner, whose run variables hold the loop, and a
+    /// dispatcher kept past its run would keep the loop (its registry key) and so itself alive.
+    trio: Mutex<Option<Arc<TrioHooks>>>,
+    /// Made for a trio run (whose hooks `close` may have taken since).
+    trio_run: bool,
 }
 
 impl LoopDispatcher {
@@ -163,7 +168,8 @@ impl LoopDispatcher {
             waker: Waker::from(doorbell.clone()),
             doorbell,
             waiting: Mutex::new(Vec::new()),
-            trio: trio.map(Arc::new),
+            trio_run: trio.is_some(),
+            trio: Mutex::new(trio.map(Arc::new)),
         })
     }
 
@@ -175,10 +181,15 @@ impl LoopDispatcher {
         stream: &Arc<StreamShared>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = event_loop.py();
-        let trio = self.trio.as_ref();
-        let future = match trio {
-            Some(_) => None,
-            None => Some(event_loop.call_method0(intern!(py, "create_future"))?),
+        let trio = lock(&self.trio).clone();
+        let future = match (&trio, self.trio_run) {
+            (Some(_), _) => None,
+            (None, false) => Some(event_loop.call_method0(intern!(py, "create_future"))?),
+            (None, true) => {
+                return Err(PyRuntimeError::new_err(
+                    "the trio run this stream was awaited in has ended",
+                ));
+            }
         };
         // No lock is held while Python runs (building a chunk may run a finalizer that reads
         // another stream). Only this loop's thread touches the list, so nothing slips between.
@@ -463,6 +474,15 @@ impl LoopDispatcher {
         *waiting = kept;
         first_error.map_or(Ok(()), Err)
     }
+
+    /// Called by a trio loop when its run ends: drops the run's hooks and the calls still
+    /// waiting (their tasks are gone), so that the loop, this dispatcher and its eventfd are
+    /// freed with the run.
+    fn close(&self) {
+        let hooks = lock(&self.trio).take();
+        let waiting = std::mem::take(&mut *lock(&self.waiting));
+        drop((hooks, waiting));
+    }
 }
 
 /// The event loop running in this thread and its dispatcher. `last` remembers the pair, so that
@@ -496,12 +516,12 @@ fn same_trio_run<'py>(
 ) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, LoopDispatcher>)>> {
     let Some((event_loop, dispatcher)) = lock(last)
         .as_ref()
-        .filter(|(_, d)| d.get().trio.is_some())
+        .filter(|(_, d)| d.get().trio_run)
         .map(|(l, d)| (l.clone_ref(py), d.clone_ref(py)))
     else {
         return Ok(None);
     };
-    let Some(hooks) = &dispatcher.get().trio else {
+    let Some(hooks) = lock(&dispatcher.get().trio).clone() else {
         return Ok(None);
     };
     let run_context = hooks.run_context.bind(py);
@@ -542,8 +562,16 @@ pub fn dispatcher_for<'py>(event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py
     let dispatcher = LoopDispatcher::new(trio)
         .map_err(|e| PyOSError::new_err(format!("cannot create a stream wake-up eventfd: {e}")))?;
     let fd = dispatcher.doorbell.fd();
+    let trio_run = dispatcher.trio_run;
     let dispatcher = Bound::new(py, dispatcher)?;
-    event_loop.call_method1("add_reader", (fd, dispatcher.getattr("drain")?))?;
+    let drain = dispatcher.getattr("drain")?;
+    if trio_run {
+        // `TrioLoop.add_reader` calls `on_exit` when the run ends (see `close`).
+        let on_exit = [("on_exit", dispatcher.getattr("close")?)].into_py_dict(py)?;
+        event_loop.call_method("add_reader", (fd, drain), Some(&on_exit))?;
+    } else {
+        event_loop.call_method1("add_reader", (fd, drain))?;
+    }
     registry.set_item(event_loop, &dispatcher)?;
     Ok(dispatcher)
 }

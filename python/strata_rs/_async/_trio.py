@@ -126,14 +126,21 @@ def _guarded(callback: Callable[..., object], args: tuple[Any, ...]) -> None:
         _log.exception("a strata_rs callback on the trio loop failed")
 
 
-async def _watch(fd: int, callback: Callable[[], object]) -> None:
-    while True:
-        await wait_readable(fd)
-        try:
-            callback()
-        except Exception:
-            # As an asyncio loop does with a reader callback's error: logged, and it goes on.
-            _log.exception("delivering strata_rs stream chunks failed")
+async def _watch(
+    fd: int, callback: Callable[[], object], on_exit: Callable[[], object] | None
+) -> None:
+    try:
+        while True:
+            await wait_readable(fd)
+            try:
+                callback()
+            except Exception:
+                # As an asyncio loop does with a reader callback's error: logged, and it goes on.
+                _log.exception("delivering strata_rs stream chunks failed")
+    finally:
+        # The run is ending (trio cancels its system tasks then).
+        if on_exit is not None:
+            on_exit()
 
 
 class TrioLoop:
@@ -171,10 +178,19 @@ class TrioLoop:
             return None
         return (GLOBAL_RUN_CONTEXT, runner, WaitTaskRescheduled, Abort.SUCCEEDED, Abort.FAILED)
 
-    def add_reader(self, fd: int, callback: Callable[[], object]) -> None:
-        """Runs `callback()` whenever `fd` is readable, until the run ends. The callback must make
-        it unreadable (the doorbell's reset), as with asyncio's add_reader."""
-        trio.lowlevel.spawn_system_task(_watch, fd, callback, name="strata_rs stream delivery")
+    def add_reader(
+        self,
+        fd: int,
+        callback: Callable[[], object],
+        *,
+        on_exit: Callable[[], object] | None = None,
+    ) -> None:
+        """Runs `callback()` whenever `fd` is readable, until the run ends, then `on_exit()` (the
+        dispatcher lets go of the run there, so that the run's objects are freed with it). The
+        callback must make `fd` unreadable (the doorbell's reset), as with asyncio's add_reader."""
+        trio.lowlevel.spawn_system_task(
+            _watch, fd, callback, on_exit, name="strata_rs stream delivery"
+        )
 
 
 _LOOP: trio.lowlevel.RunVar[TrioLoop] = trio.lowlevel.RunVar("strata_rs_loop")
