@@ -1464,6 +1464,11 @@ def test_serve_flags_reach_engine_load(monkeypatch: pytest.MonkeyPatch, tmp_path
         "--disk-cache-mib", "0",
         "--disk-cache-days", "0.5",
         "--cache-faults", "copy_in:2,read:*",
+        "--speculative", "ngram",
+        "--num-speculative-tokens", "3",
+        "--ngram-min", "1",
+        "--ngram-max", "5",
+        "--no-speculative-adaptive",
     ]  # fmt: skip
     assert main(flags) == 0
     assert got.pop() == {
@@ -1474,6 +1479,11 @@ def test_serve_flags_reach_engine_load(monkeypatch: pytest.MonkeyPatch, tmp_path
         "disk_cache_mib": 0,
         "disk_cache_days": 0.5,
         "cache_faults": "copy_in:2,read:*",
+        "speculative": "ngram",
+        "num_speculative_tokens": 3,
+        "ngram_min": 1,
+        "ngram_max": 5,
+        "speculative_adaptive": False,
     }
 
 

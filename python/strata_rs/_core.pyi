@@ -145,13 +145,15 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         structured_outputs: Mapping[str, Any] | None = None,
         logit_bias: Mapping[int | str, float] | None = None,
+        speculative: bool = True,
     ) -> SamplingParams:
         """`structured_outputs` (vLLM's): exactly one of `json` (a JSON schema, or its text),
         `json_object` (True: any JSON object), `regex`, `choice` (a list of strings) or `grammar`
         (a Lark grammar); the output then follows it (llguidance). The grammar is compiled when
         the request is submitted: InvalidRequest names `structured_outputs.<kind>` if it cannot
         be. `logit_bias` (OpenAI's): token id (an int or its decimal string) -> a bias in
-        [-100, 100] added to its logit before sampling; logprobs stay those of the raw logits."""
+        [-100, 100] added to its logit before sampling; logprobs stay those of the raw logits.
+        `speculative=False`: decode this request without drafts on an engine that drafts."""
     @property
     def max_tokens(self) -> int | None:
         """Most tokens to generate; None: until the context is full."""
@@ -191,6 +193,9 @@ class SamplingParams:
         """Choices generated from the prompt (they share its K/V blocks)."""
     @property
     def skip_special_tokens(self) -> bool: ...
+    @property
+    def speculative(self) -> bool:
+        """Whether the request may decode with drafts (on an engine with `speculative`)."""
 
 class TopLogprob(TypedDict):
     token_id: int
@@ -411,6 +416,10 @@ class EngineStatsDict(TypedDict):
     last_step_seconds: float
     step_seconds: Histogram
     ttft_seconds: Histogram
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_step: Histogram
+    """Drafts accepted per verification (one per drafting sequence and step)."""
     stopped: str | None
     cache: CacheStatsDict
     memory: dict[str, DeviceMemory]
@@ -466,6 +475,11 @@ class Engine:
         kv_dtype: str | None = None,
         quantize: str | None = None,
         bf16_dot: bool = False,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        ngram_min: int = 2,
+        ngram_max: int = 4,
+        speculative_adaptive: bool = True,
     ) -> LoadingEngine:
         """Loads a Hugging Face model folder (awaitable: `await Engine.load(...)`, or
         `async with Engine.load(...) as engine:`). Raises ModelLoadError (naming the file),
@@ -495,6 +509,17 @@ class Engine:
         about twice the prefill speed, each product off by the rounding (at most 2^-9 of it).
         Off by default (f32 inputs). Ignored where the CPU lacks the instructions and on a
         GPU; info["matmul_inputs"] says what runs.
+        speculative (keyword-only): "ngram" decodes with drafts proposed by prompt lookup (the
+        longest suffix of the sequence, ngram_max down to ngram_min tokens, that occurred
+        earlier in it proposes the up to num_speculative_tokens (1-16) tokens that followed),
+        checked in one forward: greedy outputs are those of decoding without drafts, sampled
+        ones follow the same distribution (speculative sampling's rule). A sequence drafts as
+        many tokens as its acceptance rate and the measured time of steps with that many more
+        rows say pay (none where each row costs as much as a step: plain decoding is then
+        faster), fewer after rejections, none for a while after a run of them;
+        speculative_adaptive=False drafts whatever lookup proposes (for tests and
+        measurements). A request's `speculative=False` opts out. info["speculative"] shows the
+        settings; stats() counts drafts and acceptances.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

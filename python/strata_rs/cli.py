@@ -270,6 +270,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--quantize", choices=QUANTIZE_TYPES, default=None, help=QUANTIZE_HELP)
     s.add_argument("--bf16-dot", action="store_true", help=BF16_DOT_HELP)
     s.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        default=None,
+        help="decode with drafts: ngram proposes what followed the longest earlier occurrence "
+        "of the sequence's suffix (prompt lookup); outputs are unchanged; default: off",
+    )
+    s.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="most drafts per step (1-16)"
+    )
+    s.add_argument("--ngram-min", type=int, default=2, help="shortest suffix looked up")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest suffix looked up")
+    s.add_argument(
+        "--no-speculative-adaptive",
+        dest="speculative_adaptive",
+        action="store_false",
+        help="draft whatever lookup proposes, even where the measured step times say drafts "
+        "cost more than they save (for measurements)",
+    )
+    s.add_argument(
         "--max-batch-tokens", type=int, default=512, help="tokens per step (prefill chunk size)"
     )
     s.add_argument(
@@ -727,6 +746,11 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_dtype": args.kv_dtype,
         "quantize": args.quantize,
         "bf16_dot": args.bf16_dot,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_min": args.ngram_min,
+        "ngram_max": args.ngram_max,
+        "speculative_adaptive": args.speculative_adaptive,
         "max_batch_tokens": args.max_batch_tokens,
         "max_waiting": args.max_waiting,
         "threads": args.threads,

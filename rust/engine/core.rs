@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::doorbell::deferring_rings;
+use super::ngram::DraftLength;
 use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
 use super::runner::ModelRunner;
 use super::sampler::{splitmix, Sampler};
@@ -70,6 +71,7 @@ type Masks = HashMap<u64, Result<Mask>>;
 
 impl EngineCore {
     /// `memory`: the device's pool, in which the logits buffer is accounted (as workspace).
+    /// `logit_rows`: the most rows a step samples from (a sequence's drafts add rows).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         memory: &MemoryPool,
@@ -78,12 +80,12 @@ impl EngineCore {
         cache: ConversationCache,
         tokenizer: Arc<Tokenizer>,
         max_context: usize,
-        max_batch: usize,
+        logit_rows: usize,
         queued: Arc<AtomicUsize>,
         stats: Arc<Mutex<EngineStats>>,
     ) -> Result<EngineCore> {
         let vocab = runner.model.config.vocab_size;
-        let logits_len = max_batch * vocab;
+        let logits_len = logit_rows * vocab;
         let logits_reservation = memory
             .reserve(Purpose::Workspace, (logits_len * size_of::<f32>()) as u64)
             .map_err(|r| StrataError::invalid("max_batch", r.to_string()))?;
@@ -156,6 +158,13 @@ impl EngineCore {
                 events: req.events.clone(),
                 cancel: req.cancel.clone(),
                 follows: (index > 0).then_some(first),
+                drafting: self
+                    .scheduler
+                    .ngram
+                    .filter(|_| p.speculative)
+                    .map(|o| DraftLength::new(o.max_drafts)),
+                drafts: Vec::new(),
+                fed: Vec::new(),
                 admissions: 0,
                 arrived: Instant::now(),
                 first_token_at: None,
@@ -204,12 +213,31 @@ impl EngineCore {
             self.deliver();
             return Ok(self.is_idle());
         }
+        // A step of decode rows only (with or without drafts) measures what its rows cost.
+        let decode_rows = self.decode_rows(&plan);
         let (rows, masks) = self.forward_and_masks(&plan)?;
         self.scheduler.commit(&plan, &mut self.runner.kv);
         self.sample_and_emit(rows, masks)?;
+        if let Some(rows) = decode_rows {
+            let seconds = started.elapsed().as_secs_f64();
+            self.scheduler.step_costs.record(rows, seconds);
+        }
         self.publish_stats(Some(started.elapsed()), &plan);
         self.deliver();
         Ok(true)
+    }
+
+    /// The rows of `plan` when every chunk is one decode row and its drafts; else `None`.
+    fn decode_rows(&self, plan: &[Chunk]) -> Option<usize> {
+        let mut rows = 0;
+        for c in plan {
+            let seq = self.scheduler.running.iter().find(|s| s.id == c.seq)?;
+            if seq.pending() != 1 {
+                return None;
+            }
+            rows += c.len;
+        }
+        Some(rows)
     }
 
     /// Hands the step's deltas to a compute thread, which sends them. Sending wakes the
@@ -239,7 +267,7 @@ impl EngineCore {
     /// The forward, and beside it, on a thread of their own, the grammar masks of the
     /// constrained rows it will sample (a mask depends only on the tokens so far, so it need not
     /// wait for the logits, and a constrained row does not hold up the step).
-    fn forward_and_masks(&mut self, plan: &[Chunk]) -> Result<(Vec<u64>, Masks)> {
+    fn forward_and_masks(&mut self, plan: &[Chunk]) -> Result<(Vec<(u64, usize)>, Masks)> {
         let mut constrained = Vec::new();
         for c in plan {
             if let Some(seq) = self.scheduler.running_mut(c.seq) {
@@ -278,11 +306,13 @@ impl EngineCore {
         Ok((rows?, masks))
     }
 
-    /// Runs the model over the planned chunks; returns the sequences (in plan order) that got a
-    /// logits row: those whose chunk reaches their last token.
-    fn forward(&mut self, plan: &[Chunk]) -> Result<Vec<u64>> {
+    /// Runs the model over the planned chunks; returns the sequences (in plan order) that got
+    /// logits rows, with how many: one for a chunk that reaches its sequence's last token, one
+    /// more per draft for a drafting sequence.
+    fn forward(&mut self, plan: &[Chunk]) -> Result<Vec<(u64, usize)>> {
         let mut batch = Vec::with_capacity(plan.len());
         let mut sampled = Vec::new();
+        let mut rows = 0;
         for c in plan {
             let seq = self
                 .scheduler
@@ -290,10 +320,22 @@ impl EngineCore {
                 .iter()
                 .find(|s| s.id == c.seq)
                 .ok_or_else(|| StrataError::Internal("planned sequence is not running".into()))?;
+            if !seq.drafts.is_empty() {
+                sampled.push((seq.id, seq.fed.len()));
+                rows += seq.fed.len();
+                batch.push(SeqChunk {
+                    tokens: &seq.fed,
+                    start_pos: seq.computed,
+                    block_table: &seq.table,
+                    logits: LogitsWanted::All,
+                });
+                continue;
+            }
             let end = seq.computed + c.len;
             let last = end == seq.tokens.len();
             if last {
-                sampled.push(seq.id);
+                sampled.push((seq.id, 1));
+                rows += 1;
             }
             batch.push(SeqChunk {
                 tokens: &seq.tokens[seq.computed..end],
@@ -307,109 +349,144 @@ impl EngineCore {
             });
         }
         let vocab = self.runner.model.config.vocab_size;
-        let out = &mut self.logits[..sampled.len() * vocab];
+        let out = &mut self.logits[..rows * vocab];
         let runner = &mut self.runner;
         runner.step(&batch, out)?;
         Ok(sampled)
     }
 
-    fn sample_and_emit(&mut self, rows: Vec<u64>, mut masks: Masks) -> Result<()> {
+    /// Samples each sequence's next token from its logits row; a drafting sequence goes on
+    /// through its rows while its drafts are accepted (each row's logits came after the drafts
+    /// before it), so one step may emit several of its tokens, in one delta.
+    fn sample_and_emit(&mut self, rows: Vec<(u64, usize)>, mut masks: Masks) -> Result<()> {
         let vocab = self.runner.model.config.vocab_size;
+        let max_drafts = self.scheduler.ngram.map_or(0, |o| o.max_drafts);
         let now = Instant::now();
         let mut finished = Vec::new();
-        let n_sampled = rows.len();
+        let mut emitted = 0u64;
         let mut ttfts = Vec::new();
-        for (r, id) in rows.into_iter().enumerate() {
+        let mut first_row = 0;
+        for (id, n_rows) in rows {
+            let base = first_row;
+            first_row += n_rows;
             let Some(seq) = self.scheduler.running_mut(id) else {
                 continue;
             };
-            let row = &mut self.logits[r * vocab..(r + 1) * vocab];
-            let mask = match seq.constraint.as_mut() {
-                Some(c) => match masks.remove(&id).unwrap_or_else(|| c.mask()) {
-                    Ok(mask) => Some(mask),
-                    Err(e) => {
-                        grammar_failed(seq, e, &mut self.outbox);
-                        continue;
-                    }
-                },
-                None => None,
-            };
-            let s = seq.sampler.sample_with(row, |row| {
-                if let Some(mask) = &mask {
-                    apply_mask(mask, row);
-                }
-            });
-            let tok = s.token;
-            seq.tokens.push(tok);
-            let grammar_done = match seq.constraint.as_mut().map(|c| c.accept(tok)) {
-                Some(Ok(done)) => done,
-                Some(Err(e)) => {
-                    grammar_failed(seq, e, &mut self.outbox);
-                    continue;
-                }
-                None => false,
-            };
-            if seq.first_token_at.is_none() {
-                seq.first_token_at = Some(now);
-                if seq.index == 0 {
-                    ttfts.push((now - seq.arrived).as_secs_f64());
-                }
-            }
-            let mut finish = None;
-            let mut text = String::new();
-            if seq.stop_ids.contains(&tok) {
-                finish = Some(FinishReason::Stop);
-            } else {
-                // An id past the tokenizer's vocabulary (a padded embedding row) has no text.
-                let piece = if self.tokenizer.knows(tok) {
-                    seq.detok.push(&self.tokenizer, tok)?
-                } else {
-                    String::new()
-                };
-                let (emit, stopped) = seq.stop.push(&piece);
-                text = emit;
-                if stopped {
-                    finish = Some(FinishReason::Stop);
-                }
-            }
-            // A complete grammar allows nothing more: the output ends as at a stop string.
-            if finish.is_none() && (grammar_done || seq.tokens.len() >= seq.max_len) {
-                let rest = seq.detok.flush(&self.tokenizer)?;
-                let (emit, stopped) = seq.stop.push(&rest);
-                text.push_str(&emit);
-                if !stopped {
-                    text.push_str(&seq.stop.flush());
-                }
-                // Held-back text can settle a stop string only now.
-                finish = Some(if grammar_done || seq.stop.stopped() {
-                    FinishReason::Stop
-                } else {
-                    FinishReason::Length
-                });
-            }
-            let logprobs = match (seq.want_logprobs, s.logprob) {
-                (true, Some(lp)) => vec![TokenLogprob {
-                    token: tok,
-                    logprob: lp,
-                    top: s.top_logprobs,
-                }],
-                _ => Vec::new(),
-            };
-            let delta = Delta {
+            let mut delta = Delta {
                 index: seq.index,
-                token_ids: vec![tok],
-                text,
-                logprobs,
-                finish_reason: finish,
+                token_ids: Vec::new(),
+                text: String::new(),
+                logprobs: Vec::new(),
+                finish_reason: None,
                 usage: None,
             };
-            if let Some(f) = finish {
-                finished.push((id, f, delta));
-            } else {
-                self.outbox.push((seq.events.clone(), Event::Delta(delta)));
+            let mut failed = false;
+            let mut accepted = 0;
+            for r in 0..n_rows {
+                let row = &mut self.logits[(base + r) * vocab..(base + r + 1) * vocab];
+                let draft = seq.drafts.get(r).copied();
+                let mask = match seq.constraint.as_mut() {
+                    Some(c) => match masks.remove(&id).unwrap_or_else(|| c.mask()) {
+                        Ok(mask) => Some(mask),
+                        Err(e) => {
+                            grammar_failed(seq, e, &mut self.outbox);
+                            failed = true;
+                            break;
+                        }
+                    },
+                    None => None,
+                };
+                let (s, draft_taken) = seq.sampler.sample_or_accept(row, draft, |row| {
+                    if let Some(mask) = &mask {
+                        apply_mask(mask, row);
+                    }
+                });
+                let tok = s.token;
+                seq.tokens.push(tok);
+                emitted += 1;
+                let grammar_done = match seq.constraint.as_mut().map(|c| c.accept(tok)) {
+                    Some(Ok(done)) => done,
+                    Some(Err(e)) => {
+                        grammar_failed(seq, e, &mut self.outbox);
+                        failed = true;
+                        break;
+                    }
+                    None => false,
+                };
+                if seq.first_token_at.is_none() {
+                    seq.first_token_at = Some(now);
+                    if seq.index == 0 {
+                        ttfts.push((now - seq.arrived).as_secs_f64());
+                    }
+                }
+                let mut finish = None;
+                if seq.stop_ids.contains(&tok) {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    // An id past the tokenizer's vocabulary (a padded embedding row) has no text.
+                    let piece = if self.tokenizer.knows(tok) {
+                        seq.detok.push(&self.tokenizer, tok)?
+                    } else {
+                        String::new()
+                    };
+                    let (emit, stopped) = seq.stop.push(&piece);
+                    delta.text.push_str(&emit);
+                    if stopped {
+                        finish = Some(FinishReason::Stop);
+                    }
+                }
+                // A complete grammar allows nothing more: the output ends as at a stop string.
+                if finish.is_none() && (grammar_done || seq.tokens.len() >= seq.max_len) {
+                    let rest = seq.detok.flush(&self.tokenizer)?;
+                    let (emit, stopped) = seq.stop.push(&rest);
+                    delta.text.push_str(&emit);
+                    if !stopped {
+                        delta.text.push_str(&seq.stop.flush());
+                    }
+                    // Held-back text can settle a stop string only now.
+                    finish = Some(if grammar_done || seq.stop.stopped() {
+                        FinishReason::Stop
+                    } else {
+                        FinishReason::Length
+                    });
+                }
+                if let (true, Some(lp)) = (seq.want_logprobs, s.logprob) {
+                    delta.logprobs.push(TokenLogprob {
+                        token: tok,
+                        logprob: lp,
+                        top: s.top_logprobs,
+                    });
+                }
+                delta.token_ids.push(tok);
+                delta.finish_reason = finish;
+                accepted += usize::from(draft_taken);
+                if finish.is_some() || !draft_taken {
+                    break;
+                }
+            }
+            let proposed = seq.drafts.len();
+            if proposed > 0 {
+                if let Some(d) = seq.drafting.as_mut() {
+                    d.update(proposed, accepted, max_drafts);
+                }
+                self.local.record_drafts(proposed, accepted);
+            }
+            self.scheduler.accept_drafts(id, &mut self.runner.kv);
+            // The request ends with the grammar's error (sent above); its tokens go nowhere.
+            if failed {
+                continue;
+            }
+            match delta.finish_reason {
+                Some(f) => finished.push((id, f, delta)),
+                None => {
+                    let Some(seq) = self.scheduler.running_mut(id) else {
+                        continue;
+                    };
+                    self.outbox.push((seq.events.clone(), Event::Delta(delta)));
+                }
             }
         }
-        self.local.generated_tokens += n_sampled as u64;
+        self.local.generated_tokens += emitted;
         ttfts
             .into_iter()
             .for_each(|t| self.local.ttft_seconds.push(t));

@@ -30,6 +30,7 @@ use crate::model::{Model, ModelSource};
 use core::EngineCore;
 #[cfg(feature = "cuda")]
 use gpu_sizing::open_gpus;
+use ngram::NgramOptions;
 use request::{CancelFlag, Event, PromptTokenLogprob, Request, SamplingParams, MAX_LOGPROBS};
 use runner::{ModelRunner, Stage};
 use scheduler::Scheduler;
@@ -40,6 +41,7 @@ pub mod core;
 pub mod doorbell;
 #[cfg(feature = "cuda")]
 mod gpu_sizing;
+pub mod ngram;
 pub mod request;
 pub mod runner;
 pub mod sampler;
@@ -53,6 +55,8 @@ pub mod structured;
 pub const BLOCK_SIZE: usize = 16;
 /// Most compute threads an engine may be asked for.
 pub const MAX_THREADS: usize = 1024;
+/// Most drafts per step (`num_speculative_tokens`).
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -80,6 +84,16 @@ pub struct EngineOptions {
     pub bf16_dot: bool,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
     pub max_context: Option<usize>,
+    /// Speculative decoding: "ngram" (drafts by prompt lookup, [`ngram`]); `None`: off.
+    pub speculative: Option<String>,
+    /// Most drafts a sequence tries per step.
+    pub num_speculative_tokens: usize,
+    /// Shortest and longest suffix the n-gram lookup matches.
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+    /// Draft only as many tokens as the measured step times say pay; false: every draft the
+    /// lookup proposes.
+    pub speculative_adaptive: bool,
     /// The conversation cache below the device.
     pub cache: CacheOptions,
     /// Each device's capacity in MiB ("300,120"), one per device of `device`, in its order;
@@ -106,6 +120,11 @@ impl Default for EngineOptions {
             quantize: None,
             bf16_dot: false,
             max_context: None,
+            speculative: None,
+            num_speculative_tokens: 4,
+            ngram_min: 2,
+            ngram_max: 4,
+            speculative_adaptive: true,
             cache: CacheOptions::default(),
             device_memory_mib: None,
             layer_split: None,
@@ -141,11 +160,52 @@ pub struct EngineInfo {
     pub block_size: usize,
     /// Bytes of K/V one block holds (all layers).
     pub kv_block_bytes: usize,
+    /// Speculative decoding's drafts ("ngram"), if on.
+    pub speculative: Option<NgramOptions>,
     /// The devices of `device`, one name each ("cpu", or "cpu:0", "cpu:1", ...), in layer order.
     pub devices: Vec<String>,
     /// Layers each device of `devices` holds.
     pub layer_split: Vec<usize>,
     pub decode_weight_bytes: usize,
+}
+
+/// The drafting settings `opts` ask for, checked.
+fn speculative_options(opts: &EngineOptions) -> Result<Option<NgramOptions>> {
+    match opts.speculative.as_deref() {
+        None => return Ok(None),
+        Some("ngram") => {}
+        Some(other) => {
+            return Err(StrataError::invalid(
+                "speculative",
+                format!("must be \"ngram\" (drafts by prompt lookup), got {other:?}"),
+            ))
+        }
+    }
+    let k = opts.num_speculative_tokens;
+    if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+        return Err(StrataError::invalid(
+            "num_speculative_tokens",
+            format!("must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"),
+        ));
+    }
+    if opts.ngram_min == 0 {
+        return Err(StrataError::invalid("ngram_min", "must be at least 1"));
+    }
+    if opts.ngram_max < opts.ngram_min {
+        return Err(StrataError::invalid(
+            "ngram_max",
+            format!(
+                "must be at least ngram_min ({}), got {}",
+                opts.ngram_min, opts.ngram_max
+            ),
+        ));
+    }
+    Ok(Some(NgramOptions {
+        max_drafts: k,
+        min_n: opts.ngram_min,
+        max_n: opts.ngram_max,
+        adaptive: opts.speculative_adaptive,
+    }))
 }
 
 enum Command {
@@ -323,6 +383,7 @@ impl Engine {
         if opts.max_batch == 0 {
             return Err(StrataError::invalid("max_batch", "must be at least 1"));
         }
+        let ngram = speculative_options(&opts)?;
         let threads = match opts.threads {
             Some(0) => return Err(StrataError::invalid("threads", "must be at least 1")),
             // Each thread gets a workspace: a huge count would abort on allocation, not fail.
@@ -550,6 +611,7 @@ impl Engine {
             kv_blocks,
             block_size: BLOCK_SIZE,
             kv_block_bytes: block_bytes,
+            speculative: ngram,
             devices: devices.clone(),
             layer_split: layer_split.clone(),
         };
@@ -565,14 +627,16 @@ impl Engine {
         let last_device = memory
             .last()
             .ok_or_else(|| StrataError::Internal("no device".into()))?;
+        let mut scheduler = Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt);
+        scheduler.ngram = ngram;
         let core = EngineCore::new(
             last_device,
             runner,
-            Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt),
+            scheduler,
             cache,
             tokenizer.clone(),
             max_context,
-            max_batch,
+            max_batch * (1 + ngram.map_or(0, |o| o.max_drafts)),
             queued.clone(),
             stats.clone(),
         )?;

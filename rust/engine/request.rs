@@ -45,6 +45,9 @@ pub struct SamplingParams {
     /// Added to a token's logit before sampling (OpenAI's `logit_bias`, in [-100, 100]): -100
     /// all but bans a token, 100 all but forces it. Logprobs stay those of the raw logits.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Whether this request may decode with drafts when the engine drafts (`speculative`);
+    /// false decodes it one token a step.
+    pub speculative: bool,
 }
 
 impl Default for SamplingParams {
@@ -67,6 +70,7 @@ impl Default for SamplingParams {
             skip_special_tokens: true,
             structured_outputs: None,
             logit_bias: Vec::new(),
+            speculative: true,
         }
     }
 }

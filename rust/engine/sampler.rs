@@ -147,6 +147,22 @@ impl Sampler {
         logits: &mut [f32],
         constrain: impl FnOnce(&mut [f32]),
     ) -> Sampled {
+        self.sample_or_accept(logits, None, constrain).0
+    }
+
+    /// `sample_with` at a position where `draft` was proposed: true with the draft when it is
+    /// accepted. Greedy: accepted when it is the argmax, so the output is the one decoding without
+    /// drafts gives. Sampling: speculative sampling's rule for a draft proposed with certainty
+    /// (n-gram lookup): accepted with its probability p(draft) under the request's distribution,
+    /// else a token drawn from that distribution without the draft. Either way the token
+    /// returned is distributed as `sample_with`'s (two draws where a draft is rejected, so the
+    /// stream of a seed differs from decoding without drafts, and is reproducible).
+    pub fn sample_or_accept(
+        &mut self,
+        logits: &mut [f32],
+        draft: Option<u32>,
+        constrain: impl FnOnce(&mut [f32]),
+    ) -> (Sampled, bool) {
         if self.logprobs.is_some() {
             // Logprobs are of the raw logits, which the steps below overwrite.
             self.raw.clear();
@@ -160,13 +176,27 @@ impl Sampler {
             }
         }
         self.apply_penalties(logits);
-        let token = if self.greedy {
-            argmax(logits)
+        let (token, accepted) = if self.greedy {
+            let token = argmax(logits);
+            (token, draft == Some(token))
         } else {
             // Drawn before anything can return early: exactly one draw per non-greedy step.
             let u = self.rng.next_f64();
             let kept = self.prepare(logits);
-            self.pick(logits, kept, u)
+            match draft {
+                None => (self.pick(logits, kept, u), false),
+                Some(d) => {
+                    let (weight, total) = self.kept_weight(logits, kept, d);
+                    if total > 0.0 && u * total < weight {
+                        (d, true)
+                    } else {
+                        // The residual distribution: the target's without the draft.
+                        let kept = self.drop_kept(logits, kept, d, weight, total);
+                        let u = self.rng.next_f64();
+                        (self.pick(logits, kept, u), false)
+                    }
+                }
+            }
         };
         let (logprob, top_logprobs) = match self.logprobs {
             Some(n) => {
@@ -182,10 +212,70 @@ impl Sampler {
             None => (None, Vec::new()),
         };
         self.record(token);
-        Sampled {
+        let sampled = Sampled {
             token,
             logprob,
             top_logprobs,
+        };
+        (sampled, accepted)
+    }
+
+    /// The weight `prepare` left on `token`, and the total of every kept weight.
+    fn kept_weight(&self, weights: &[f32], kept: Kept, token: u32) -> (f64, f64) {
+        let listed = |list: &[Cand]| {
+            let total: f64 = list.iter().map(|c| f64::from(c.val)).sum();
+            let weight = list
+                .iter()
+                .find(|c| c.id == token)
+                .map_or(0.0, |c| f64::from(c.val));
+            (weight, total)
+        };
+        match kept {
+            Kept::Nothing => (0.0, 0.0),
+            Kept::Dense(total) => (
+                weights.get(token as usize).map_or(0.0, |&w| f64::from(w)),
+                total,
+            ),
+            Kept::List(len) => listed(&self.cands[..len]),
+            Kept::Pool => listed(&self.pool),
+        }
+    }
+
+    /// The kept weights with `token`'s set to zero (a rejected draft: never picked).
+    fn drop_kept(
+        &mut self,
+        weights: &mut [f32],
+        kept: Kept,
+        token: u32,
+        weight: f64,
+        total: f64,
+    ) -> Kept {
+        let zero = |list: &mut [Cand]| {
+            for c in list.iter_mut().filter(|c| c.id == token) {
+                c.val = 0.0;
+            }
+        };
+        match kept {
+            Kept::Nothing => Kept::Nothing,
+            Kept::Dense(_) => {
+                if let Some(w) = weights.get_mut(token as usize) {
+                    *w = 0.0;
+                }
+                // Every weight was the draft's: nothing is left to pick (rounding only, since
+                // then the draft is accepted with certainty).
+                if total - weight <= 0.0 {
+                    return Kept::Nothing;
+                }
+                Kept::Dense(total - weight)
+            }
+            Kept::List(len) => {
+                zero(&mut self.cands[..len]);
+                kept
+            }
+            Kept::Pool => {
+                zero(&mut self.pool);
+                kept
+            }
         }
     }
 
@@ -1434,6 +1524,94 @@ mod tests {
         let chi2 = chi_square(&counts, &probs, draws);
         assert!(chi2 < 24.32, "chi-square {chi2}, counts {counts:?}");
         assert!(counts.iter().all(|&c| c > 0));
+    }
+
+    /// Draws of `sample_or_accept` with `draft` proposed at every draw, by token.
+    fn counts_with_draft(
+        params: &SamplingParams,
+        logits: &[f32],
+        draft: u32,
+        draws: u32,
+    ) -> Vec<u32> {
+        let mut sampler = Sampler::new(params, 777, &[], logits.len());
+        let mut counts = vec![0u32; logits.len()];
+        for _ in 0..draws {
+            let mut row = logits.to_vec();
+            let (sampled, accepted) = sampler.sample_or_accept(&mut row, Some(draft), |_| {});
+            assert_eq!(accepted, sampled.token == draft);
+            counts[sampled.token as usize] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn drafted_draws_follow_the_target_distribution() {
+        let logits = [0.0f32, 1.0, 2.0, -1.0, 0.5, 1.5, -2.0, 0.25];
+        let probs = reference_distribution(&logits, 1.0, 0, 1.0, 0.0);
+        let probs: Vec<f64> = probs.iter().map(|d| d.1).collect();
+        let draws = 20_000;
+        // A likely draft (p 0.39), a middling one and a rare one (p 0.007): 7 degrees of freedom,
+        // p = 0.001 critical value 24.32 (fixed seed: deterministic).
+        for draft in [2, 4, 6] {
+            let counts = counts_with_draft(&params(1.0, 0, 1.0, 0.0), &logits, draft, draws);
+            let chi2 = chi_square(&counts, &probs, draws);
+            assert!(chi2 < 24.32, "draft {draft}: chi-square {chi2}, {counts:?}");
+        }
+        // Through the filtered paths too (a top-k list, a nucleus): the kept distribution.
+        for (t, k, p) in [(1.0, 3, 1.0), (0.7, 0, 0.8)] {
+            let dist = reference_distribution(&logits, t, k, p, 0.0);
+            let draft = dist[1].0;
+            let counts = counts_with_draft(&params(t, k, p, 0.0), &logits, draft, draws);
+            let kept: Vec<u32> = dist.iter().map(|d| counts[d.0 as usize]).collect();
+            assert_eq!(kept.iter().sum::<u32>(), draws, "a dropped token was drawn");
+            let probs: Vec<f64> = dist.iter().map(|d| d.1).collect();
+            let chi2 = chi_square(&kept, &probs, draws);
+            let critical = [10.83, 13.82, 16.27, 18.47][dist.len() - 2];
+            assert!(chi2 < critical, "top-k {k} top-p {p}: chi-square {chi2}");
+        }
+    }
+
+    #[test]
+    fn drafted_draws_without_the_residual_correction_fail_the_same_test() {
+        // The rule with its correction removed: a rejected draft redrawn from the whole
+        // distribution (draft included) instead of the residual. The test above must catch it.
+        let logits = [0.0f32, 1.0, 2.0, -1.0, 0.5, 1.5, -2.0, 0.25];
+        let probs: Vec<f64> = reference_distribution(&logits, 1.0, 0, 1.0, 0.0)
+            .iter()
+            .map(|d| d.1)
+            .collect();
+        let draws = 20_000;
+        let mut sampler = Sampler::new(&params(1.0, 0, 1.0, 0.0), 777, &[], logits.len());
+        let mut rng = TestRng::new(5);
+        let draft = 4u32;
+        let mut counts = vec![0u32; logits.len()];
+        for _ in 0..draws {
+            let mut row = logits.to_vec();
+            let token = if rng.uniform() < probs[draft as usize] {
+                draft
+            } else {
+                sampler.sample(&mut row).token
+            };
+            counts[token as usize] += 1;
+        }
+        let chi2 = chi_square(&counts, &probs, draws);
+        assert!(chi2 > 24.32 * 10.0, "chi-square {chi2} did not reject");
+    }
+
+    #[test]
+    fn a_greedy_draft_is_accepted_exactly_when_it_is_the_argmax() {
+        let logits = [0.5f32, 3.0, 2.9, -1.0];
+        let mut sampler = Sampler::new(&greedy(), 1, &[], 4);
+        for (draft, want) in [(Some(1), true), (Some(2), false), (None, false)] {
+            let mut row = logits.to_vec();
+            let (sampled, accepted) = sampler.sample_or_accept(&mut row, draft, |_| {});
+            assert_eq!((sampled.token, accepted), (1, want));
+        }
+        // The grammar's mask applies before the check: a masked argmax is not accepted.
+        let mut row = logits.to_vec();
+        let (sampled, accepted) =
+            sampler.sample_or_accept(&mut row, Some(1), |r| r[1] = f32::NEG_INFINITY);
+        assert_eq!((sampled.token, accepted), (2, false));
     }
 
     #[test]

@@ -9,12 +9,14 @@
 
 use std::collections::VecDeque;
 
+use super::ngram::{best_draft_len, propose, NgramOptions, StepCosts};
 use super::sequence::Sequence;
 use crate::cache::ConversationCache;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::extend_hashes;
 
-/// One sequence's share of a step: `len` tokens from `tokens[computed..]`.
+/// One sequence's share of a step: `len` tokens from `tokens[computed..]`, or, when the sequence
+/// drafts, its pending token and its drafts (`Sequence::fed`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Chunk {
     pub seq: u64,
@@ -39,6 +41,10 @@ pub struct Scheduler {
     block_size: usize,
     /// Start of every prefix hash chain: names the model and the K/V format.
     salt: u64,
+    /// N-gram drafting, when the engine decodes speculatively.
+    pub ngram: Option<NgramOptions>,
+    /// Measured decode step times by rows, which decide how many drafts pay.
+    pub step_costs: StepCosts,
     pub counters: SchedulerCounters,
 }
 
@@ -51,6 +57,8 @@ impl Scheduler {
             max_batch_tokens,
             block_size,
             salt,
+            ngram: None,
+            step_costs: StepCosts::default(),
             counters: SchedulerCounters::default(),
         }
     }
@@ -100,6 +108,13 @@ impl Scheduler {
                 if !fits {
                     break; // `i` was the newest; nothing after it is left
                 }
+                let drafts = if decoding {
+                    let rows = self.max_batch_tokens - budget + len;
+                    self.draft(i, rows, budget - len, kv, cache)
+                } else {
+                    0
+                };
+                let len = len + drafts;
                 plan.push(Chunk {
                     seq: self.running[i].id,
                     len,
@@ -237,11 +252,57 @@ impl Scheduler {
         }
     }
 
+    /// Proposes drafts for decoding sequence `i` (at most `room` tokens of the step's budget;
+    /// `rows`: the step's rows with its own) as many as pay for their rows, and grows its table
+    /// for them; returns how many. Drafts are an optimization: where the blocks for them are not
+    /// free, the sequence decodes without (nobody is preempted and no cached block is evicted
+    /// for them).
+    fn draft(
+        &mut self,
+        i: usize,
+        rows: usize,
+        room: usize,
+        kv: &mut BlockPool,
+        cache: &mut ConversationCache,
+    ) -> usize {
+        let seq = &mut self.running[i];
+        seq.drafts.clear();
+        let (Some(options), Some(drafting)) = (self.ngram, seq.drafting.as_mut()) else {
+            return 0;
+        };
+        // Every draft accepted, plus the token after them, must fit the sequence's length.
+        let fits = seq.max_len.saturating_sub(seq.tokens.len() + 1);
+        let max = drafting.take().min(room).min(fits);
+        propose(&seq.tokens, &options, max, &mut seq.drafts);
+        if options.adaptive {
+            let n = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
+            seq.drafts.truncate(n);
+        }
+        let n = seq.drafts.len();
+        if n == 0 {
+            return 0;
+        }
+        let target = seq.computed + 1 + n;
+        let need = target
+            .div_ceil(self.block_size)
+            .saturating_sub(seq.table.len());
+        if need > kv.num_empty() || !self.grow(i, target, kv, cache) {
+            self.running[i].drafts.clear();
+            return 0;
+        }
+        let seq = &mut self.running[i];
+        seq.fed.clear();
+        seq.fed.extend_from_slice(&seq.tokens[seq.computed..]);
+        seq.fed.extend_from_slice(&seq.drafts);
+        n
+    }
+
     /// Sends running sequence `i` back to the front of the queue without its blocks.
     fn preempt(&mut self, i: usize, kv: &mut BlockPool) {
         let mut seq = self.running.remove(i);
         kv.release(&seq.table);
         seq.table.clear();
+        seq.drafts.clear();
         seq.computed = 0;
         seq.registered = 0;
         self.counters.preemptions += 1;
@@ -249,25 +310,56 @@ impl Scheduler {
     }
 
     /// Records that a step fed each chunk's tokens, and indexes the blocks that became full.
+    /// Drafts are not counted: their K/V counts once they are accepted (`accept_drafts`).
     pub fn commit(&mut self, plan: &[Chunk], kv: &mut BlockPool) {
-        let bs = self.block_size;
         for c in plan {
-            let Some(seq) = self.running.iter_mut().find(|s| s.id == c.seq) else {
-                continue;
-            };
-            seq.computed += c.len;
-            let full = seq.computed / bs;
-            if full > seq.registered {
-                extend_hashes(self.salt, &seq.tokens[..full * bs], bs, &mut seq.hashes);
-                for b in seq.registered..full {
-                    kv.register(
-                        seq.table[b],
-                        seq.hashes[b],
-                        &seq.tokens[b * bs..(b + 1) * bs],
-                    );
-                }
-                seq.registered = full;
+            if let Some(i) = self.running.iter().position(|s| s.id == c.seq) {
+                let fed = c.len - self.running[i].drafts.len();
+                self.advance(i, fed, kv);
             }
+        }
+    }
+
+    /// After sampling a drafting sequence: its K/V counts up to its last token (the accepted
+    /// drafts were fed), its table is cut back to what that needs (the rejected drafts' blocks
+    /// are released unindexed), and its drafts are cleared. So its blocks and the prefix index
+    /// are those of a run without drafts.
+    pub fn accept_drafts(&mut self, id: u64, kv: &mut BlockPool) {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return;
+        };
+        let seq = &mut self.running[i];
+        if seq.drafts.is_empty() {
+            return;
+        }
+        seq.drafts.clear();
+        let accepted = (seq.tokens.len() - 1).saturating_sub(seq.computed);
+        self.advance(i, accepted, kv);
+        let seq = &mut self.running[i];
+        let keep = seq.computed.div_ceil(self.block_size);
+        if seq.table.len() > keep {
+            kv.release(&seq.table[keep..]);
+            seq.table.truncate(keep);
+        }
+    }
+
+    /// Counts `n` more of running sequence `i`'s tokens as in the pool, and indexes the blocks
+    /// that became full.
+    fn advance(&mut self, i: usize, n: usize, kv: &mut BlockPool) {
+        let bs = self.block_size;
+        let seq = &mut self.running[i];
+        seq.computed += n;
+        let full = seq.computed / bs;
+        if full > seq.registered {
+            extend_hashes(self.salt, &seq.tokens[..full * bs], bs, &mut seq.hashes);
+            for b in seq.registered..full {
+                kv.register(
+                    seq.table[b],
+                    seq.hashes[b],
+                    &seq.tokens[b * bs..(b + 1) * bs],
+                );
+            }
+            seq.registered = full;
         }
     }
 
@@ -320,6 +412,9 @@ mod tests {
             events,
             cancel: CancelFlag::default(),
             follows: None,
+            drafting: None,
+            drafts: Vec::new(),
+            fed: Vec::new(),
             admissions: 0,
             arrived: Instant::now(),
             first_token_at: None,
@@ -450,6 +545,81 @@ mod tests {
             s.running[1].cached_tokens, 8,
             "the second choice shares the prompt's blocks"
         );
+    }
+
+    /// Runs one sequence to the end of `output` (what the "model" picks at each position), with
+    /// n-gram drafts or without; after every step, records (tokens, computed, table blocks, pool
+    /// blocks used, blocks indexed) and the drafts proposed and accepted.
+    fn run_to_end(
+        drafting: bool,
+        prompt: &[u32],
+        output: &[u32],
+    ) -> (Vec<[usize; 5]>, usize, usize) {
+        let mut kv = pool(32);
+        let mut cache = ConversationCache::off(BS, kv.bytes_per_block());
+        let mut s = Scheduler::new(4, 64, BS, 1);
+        let mut q = seq(0, prompt.to_vec());
+        if drafting {
+            s.ngram = Some(NgramOptions {
+                max_drafts: 4,
+                min_n: 1,
+                max_n: 3,
+                adaptive: true,
+            });
+            q.drafting = Some(super::super::ngram::DraftLength::new(4));
+        }
+        s.waiting.push_back(q);
+        let (mut records, mut proposed, mut accepted) = (Vec::new(), 0, 0);
+        while s.running.first().map_or(0, |q| q.output_len()) < output.len() {
+            let plan = s.schedule(&mut kv, &mut cache);
+            s.commit(&plan, &mut kv);
+            let q = &mut s.running[0];
+            if q.computed < q.tokens.len() {
+                continue; // a prefill chunk short of the prompt's end
+            }
+            proposed += q.drafts.len();
+            for r in 0..=q.drafts.len() {
+                let Some(&next) = output.get(q.output_len()) else {
+                    break;
+                };
+                q.tokens.push(next);
+                if q.drafts.get(r) != Some(&next) {
+                    break;
+                }
+                accepted += 1;
+            }
+            s.accept_drafts(0, &mut kv);
+            let q = &s.running[0];
+            records.push([
+                q.tokens.len(),
+                q.computed,
+                q.table.len(),
+                kv.num_used(),
+                kv.num_cached(),
+            ]);
+        }
+        (records, proposed, accepted)
+    }
+
+    #[test]
+    fn rejected_drafts_leave_the_blocks_and_index_of_a_run_without_them() {
+        // The prompt repeats "1 2 3", so lookup drafts "4 5 6 7"; the output takes some of
+        // them, then goes elsewhere, then repeats again.
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3];
+        let output = [4, 5, 9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2];
+        let (plain, p0, _) = run_to_end(false, &prompt, &output);
+        let (drafted, proposed, accepted) = run_to_end(true, &prompt, &output);
+        assert_eq!(p0, 0);
+        assert!(
+            proposed > accepted && accepted >= 8,
+            "{proposed} {accepted}"
+        );
+        assert!(drafted.len() < plain.len(), "drafts saved no step");
+        // At every point the drafted run reached, the state is the plain run's at that length.
+        for d in &drafted {
+            let p = plain.iter().find(|p| p[0] == d[0]).expect("same lengths");
+            assert_eq!(d, p, "[tokens, computed, table, used, cached]");
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 use std::time::Instant;
 
+use super::ngram::DraftLength;
 use super::request::{CancelFlag, Event};
 use super::sampler::Sampler;
 use super::stop::StopStrings;
@@ -44,6 +45,13 @@ pub struct Sequence {
     /// For choice i > 0 of a request: the first choice's sequence, whose prompt blocks it waits
     /// for so that it shares them instead of computing them again.
     pub follows: Option<u64>,
+    /// How many drafts it tries (speculative decoding); `None` when it does not draft.
+    pub drafting: Option<DraftLength>,
+    /// This step's drafts, empty when it drafts none: they follow its pending token in the step
+    /// (`fed`), and the step's logits at each of those rows check them.
+    pub drafts: Vec<u32>,
+    /// The pending token followed by `drafts`.
+    pub fed: Vec<u32>,
     /// Times admitted (more than once after a preemption).
     pub admissions: u32,
     pub arrived: Instant,

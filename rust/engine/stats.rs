@@ -35,6 +35,9 @@ impl Histogram {
     }
 }
 
+/// Drafts accepted in one verification: 0 .. 8 (speculative decoding).
+pub const ACCEPTED_DRAFT_BOUNDS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+
 /// Seconds: 1 ms .. 60 s.
 pub const LATENCY_BOUNDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -65,6 +68,11 @@ pub struct EngineStats {
     pub step_seconds: Histogram,
     /// Arrival to first token, per sequence.
     pub ttft_seconds: Histogram,
+    /// Speculative decoding: drafts proposed and accepted, and the drafts accepted per
+    /// verification (one per drafting sequence and step).
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_accepted_per_step: Histogram,
     /// Why the engine loop stopped, once it has.
     pub stopped: Option<String>,
     /// The conversation cache's tiers, moves and refusals.
@@ -96,6 +104,9 @@ impl Default for EngineStats {
             last_step_seconds: 0.0,
             step_seconds: Histogram::new(LATENCY_BOUNDS),
             ttft_seconds: Histogram::new(LATENCY_BOUNDS),
+            spec_draft_tokens: 0,
+            spec_accepted_tokens: 0,
+            spec_accepted_per_step: Histogram::new(ACCEPTED_DRAFT_BOUNDS),
             stopped: None,
             cache: CacheStats::default(),
             graphs: GraphCacheStats::default(),
@@ -111,6 +122,13 @@ impl EngineStats {
         self.step_tokens += tokens as u64;
         self.last_step_seconds = s;
         self.step_seconds.push(s);
+    }
+
+    /// One drafting sequence's verification: `accepted` of its `proposed` drafts.
+    pub fn record_drafts(&mut self, proposed: usize, accepted: usize) {
+        self.spec_draft_tokens += proposed as u64;
+        self.spec_accepted_tokens += accepted as u64;
+        self.spec_accepted_per_step.push(accepted as f64);
     }
 }
 

@@ -467,6 +467,11 @@ impl BlockPool {
         self.free.len() + self.prefix.evictable()
     }
 
+    /// Free blocks that hold no cached prefix: an allocation of up to this many evicts nothing.
+    pub fn num_empty(&self) -> usize {
+        self.free.len()
+    }
+
     /// Blocks some sequence holds.
     pub fn num_used(&self) -> usize {
         self.num_blocks - self.num_free()

@@ -213,6 +213,12 @@ fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDi
     d.set_item("last_step_seconds", s.last_step_seconds)?;
     d.set_item("step_seconds", histogram_dict(py, &s.step_seconds)?)?;
     d.set_item("ttft_seconds", histogram_dict(py, &s.ttft_seconds)?)?;
+    d.set_item("spec_draft_tokens", s.spec_draft_tokens)?;
+    d.set_item("spec_accepted_tokens", s.spec_accepted_tokens)?;
+    d.set_item(
+        "spec_accepted_per_step",
+        histogram_dict(py, &s.spec_accepted_per_step)?,
+    )?;
     d.set_item("stopped", s.stopped.clone())?;
     let g = &s.graphs;
     let graphs = PyDict::new(py);
@@ -351,7 +357,7 @@ impl PyEngine {
     /// the engine); raises ModelLoadError, DeviceUnavailable or InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None, bf16_dot = false))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None, bf16_dot = false, speculative = None, num_speculative_tokens = 4, ngram_min = 2, ngram_max = 4, speculative_adaptive = true))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -374,6 +380,11 @@ impl PyEngine {
         kv_dtype: Option<&Bound<'py, PyAny>>,
         quantize: Option<&Bound<'py, PyAny>>,
         bf16_dot: bool,
+        speculative: Option<&Bound<'py, PyAny>>,
+        num_speculative_tokens: i64,
+        ngram_min: i64,
+        ngram_max: i64,
+        speculative_adaptive: bool,
     ) -> PyResult<PyLoadingEngine> {
         let cache = CacheOptions {
             host_cache_mib: usize_arg(Some(host_cache_mib), "host_cache_mib")?.unwrap_or(0),
@@ -395,6 +406,17 @@ impl PyEngine {
             quantize: quantize.map(|v| args::string("quantize", v)).transpose()?,
             bf16_dot,
             max_context: usize_arg(max_context, "max_context")?,
+            speculative: speculative
+                .map(|v| args::string("speculative", v))
+                .transpose()?,
+            num_speculative_tokens: usize_arg(
+                Some(num_speculative_tokens),
+                "num_speculative_tokens",
+            )?
+            .unwrap_or(0),
+            ngram_min: usize_arg(Some(ngram_min), "ngram_min")?.unwrap_or(0),
+            ngram_max: usize_arg(Some(ngram_max), "ngram_max")?.unwrap_or(0),
+            speculative_adaptive,
             cache,
             device_memory_mib: device_memory_mib
                 .map(|v| args::per_device_list("device_memory_mib", v))
@@ -670,6 +692,18 @@ impl PyEngine {
         d.set_item("kv_dtype", i.kv_dtype)?;
         d.set_item("quantize", i.quantize)?;
         d.set_item("matmul_inputs", i.matmul_inputs)?;
+        match &i.speculative {
+            Some(o) => {
+                let spec = PyDict::new(py);
+                spec.set_item("method", "ngram")?;
+                spec.set_item("num_speculative_tokens", o.max_drafts)?;
+                spec.set_item("ngram_min", o.min_n)?;
+                spec.set_item("ngram_max", o.max_n)?;
+                spec.set_item("adaptive", o.adaptive)?;
+                d.set_item("speculative", spec)?;
+            }
+            None => d.set_item("speculative", py.None())?,
+        }
         d.set_item("device", &i.device)?;
         let split = PyDict::new(py);
         for (device, layers) in i.devices.iter().zip(&i.layer_split) {

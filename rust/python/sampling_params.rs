@@ -191,6 +191,7 @@ pub fn apply_kwargs(p: &mut SamplingParams, kwargs: &Bound<'_, PyDict>) -> PyRes
             }
             "n" => p.n = int("n", &v, 1)?,
             "skip_special_tokens" => p.skip_special_tokens = boolean("skip_special_tokens", &v)?,
+            "speculative" => p.speculative = boolean("speculative", &v)?,
             "logit_bias" => {
                 p.logit_bias = if none { Vec::new() } else { logit_bias(&v)? };
             }
@@ -249,7 +250,7 @@ pub fn resolve(
 impl PySamplingParams {
     /// Keyword arguments only: max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
     /// presence_penalty, frequency_penalty, seed, stop, stop_token_ids, ignore_eos, logprobs, n,
-    /// skip_special_tokens, structured_outputs, logit_bias. Checked at once; InvalidRequest names the bad
+    /// skip_special_tokens, structured_outputs, logit_bias, speculative. Checked at once; InvalidRequest names the bad
     /// one (a grammar is compiled when the request is submitted).
     #[new]
     // Keywords are read from **kwargs (so that a bad one is an InvalidRequest naming it); the
@@ -259,7 +260,7 @@ impl PySamplingParams {
         text_signature = "(*, max_tokens=None, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, \
             repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=None, \
             stop=None, stop_token_ids=None, ignore_eos=False, logprobs=None, n=1, \
-            skip_special_tokens=True, structured_outputs=None, logit_bias=None)"
+            skip_special_tokens=True, structured_outputs=None, logit_bias=None, speculative=True)"
     )]
     fn new(kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
         let mut p = SamplingParams::default();
@@ -330,6 +331,10 @@ impl PySamplingParams {
     #[getter]
     fn skip_special_tokens(&self) -> bool {
         self.inner.skip_special_tokens
+    }
+    #[getter]
+    fn speculative(&self) -> bool {
+        self.inner.speculative
     }
 
     fn __repr__(&self) -> String {

@@ -238,6 +238,21 @@ class EngineCollector(Collector):
         yield counter(
             "strata:num_preemptions", "Sequences preempted under K/V pressure", s["preemptions"]
         )
+        yield counter(
+            "strata:spec_decode_draft_tokens",
+            "Draft tokens proposed by speculative decoding",
+            s["spec_draft_tokens"],
+        )
+        yield counter(
+            "strata:spec_decode_accepted_tokens",
+            "Draft tokens accepted by speculative decoding",
+            s["spec_accepted_tokens"],
+        )
+        yield _histogram(
+            "strata:spec_decode_accepted_per_step",
+            "Drafts accepted in one verification (one per drafting sequence and step)",
+            s["spec_accepted_per_step"],
+        )
         yield counter("strata:engine_steps", "Engine steps run", s["steps"])
         yield _histogram(
             "strata:engine_step_seconds", "Duration of one engine step", s["step_seconds"]

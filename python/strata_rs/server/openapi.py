@@ -94,6 +94,10 @@ def _engine_fields(vocab_size: int | None) -> dict[str, dict[str, Any]]:
         },
         "n": _integer("choices per prompt", minimum=1, maximum=MAX_N),
         "ignore_eos": _boolean("extension: generate past EOS"),
+        "speculative": _boolean(
+            "extension: false decodes this request without drafts on a server started with "
+            "--speculative"
+        ),
         "stop_token_ids": {
             "description": "extension: token ids that end a choice",
             **_or_null({"type": "array", "items": _token_id(vocab_size)}),

@@ -51,6 +51,7 @@ _ENGINE_FIELDS = (
     "skip_special_tokens",
     "structured_outputs",
     "logit_bias",
+    "speculative",
 )
 # Accepted and ignored: they do not change the output.
 _IGNORED = (
