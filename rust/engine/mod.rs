@@ -420,11 +420,11 @@ impl Engine {
                 );
             }
         }
-        // The CPU's AVX-512 kernels read Q4_K and Q6_K fastest interleaved by groups of 16
-        // rows (the same blocks and bytes, copied out of the map once).
+        // The CPU's AVX2 and AVX-512 kernels read Q4_K and Q6_K fastest interleaved by groups
+        // of 16 rows (the same blocks and bytes, copied out of the map once).
         if !matches!(opts.device, Device::Cuda(_)) && interleave::wanted() {
             let n = model.interleave_for_cpu();
-            log::info!("{n} Q4_K/Q6_K matrices interleaved for the AVX-512 kernels");
+            log::info!("{n} Q4_K/Q6_K matrices interleaved for the CPU kernels");
         }
         // Only where it changes something (the fingerprint keys the disk cache on it).
         model.bf16_dot = opts.bf16_dot

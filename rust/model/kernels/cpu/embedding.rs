@@ -26,7 +26,7 @@ pub fn embed(w: MatRef, token: u32, out: &mut [f32]) {
             let rb = d.len() / rows;
             dequantize_row(q, &d[t * rb..(t + 1) * rb], out);
         }
-        // A tied head interleaved for the AVX-512 kernels: the row's blocks, one by one.
+        // A tied head interleaved for the x86 kernels: the row's blocks, one by one.
         WeightData::Interleaved(ty, data) => {
             let w = QuantMatRef {
                 ty,

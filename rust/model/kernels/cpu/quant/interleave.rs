@@ -8,12 +8,14 @@
 //! and inside a record every field of the 16 blocks is laid out with row `i` in the 4-byte lane
 //! `i` of a 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes
 //! broadcast to all lanes then gives each row's sum in its own lane, with no reduction. The
-//! AVX-512 VNNI kernel that reads it is [`super::avx512_x16`]; every other path reads a block
-//! back in ggml's layout ([`block_of`]) and computes the same bits.
+//! AVX-512 VNNI kernel that reads it is [`super::avx512_x16`]; the AVX2 one,
+//! [`super::avx2_x16`], reads each record's vectors as two halves of 8 rows (32 bytes, one
+//! 4-byte lane per row). The scalar path reads a block back in ggml's layout ([`block_of`]) and
+//! computes the same bits.
 //!
 //! A matrix whose row count is not a multiple of 16 is padded with zero rows (never stored to
 //! an output). Only the CPU's kernels read this layout: the weights are interleaved at load when
-//! they run on an AVX-512 VNNI CPU ([`wanted`]).
+//! they run on an x86 CPU with AVX2 or AVX-512 VNNI ([`wanted`]).
 //!
 //! Records, `16 * block_bytes` bytes (`i`: row within the group, `j`: byte within the lane):
 //!

@@ -20,6 +20,8 @@
 //!
 //! **Paths.** AVX-512 VNNI ([`super::avx512`]), AVX2 ([`super::avx2`]) and scalar, chosen at run
 //! time per call; a type an instruction set has no kernel for takes the scalar path (same bits).
+//! Interleaved matrices ([`super::interleave`]) take [`super::avx512_x16`] or
+//! [`super::avx2_x16`].
 //! Output rows are split into rayon tasks; a group of products of the same input
 //! ([`linear_quant_group`]) is one parallel loop over all their row chunks.
 //!
@@ -145,7 +147,7 @@ impl Isa {
     /// block, rebuilt, through the scalar path).
     pub(super) fn reads_interleaved(self) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self == Isa::Avx512Vnni {
+        if matches!(self, Isa::Avx512Vnni | Isa::Avx2) {
             return true;
         }
         false
@@ -381,11 +383,14 @@ pub(super) unsafe fn rows_dispatch(
     out: Out,
 ) {
     if w.layout == Layout::Interleaved {
-        #[cfg(target_arch = "x86_64")]
-        if isa.reads_interleaved() {
-            return super::avx512_x16::rows(w, r0, r1, act, out);
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => super::avx512_x16::rows(w, r0, r1, act, out),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => super::avx2_x16::rows(w, r0, r1, act, out),
+            Isa::Scalar => rows_scalar(w, r0, r1, act, out),
         }
-        return rows_scalar(w, r0, r1, act, out);
+        return;
     }
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
