@@ -466,6 +466,11 @@ unsafe fn rows_dispatch(
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => match data {
+            WeightData::F32(d) if tile == Tile::Panel => {
+                debug_assert!(d.len() >= r1 * k);
+                let out = out.offset(0, r0);
+                x86::panel_avx2_f32(d.as_ptr().add(r0 * k), k, r1 - r0, x.as_ptr(), n, out)
+            }
             WeightData::F32(d) => {
                 debug_assert!(d.len() >= r1 * k);
                 x86::rows_avx2_f32(d.as_ptr(), k, r0, r1, x.as_ptr(), n, out)
@@ -1117,6 +1122,173 @@ mod x86 {
     avx2_rows!(rows_avx2_bf16, blk256_bf16, u16, l256_bf16, s_bf16);
     avx2_rows!(rows_avx2_f16, blk256_f16, u16, l256_f16, s_f16);
     avx2_rows!(rows_avx2_f32, blk256_f32, f32, l256_f32, s_f32);
+
+    /// The AVX2 panel driver's register tile (as the stream driver's widest: 12 accumulators,
+    /// 3 weight vectors and a token vector fill the 16 ymm registers).
+    const PANEL2_R: usize = 3;
+    const PANEL2_T: usize = 4;
+    /// Columns per pass: 3 weight rows and 4 token rows of this many f32 (21 KiB) stay in L1.
+    const PANEL2_COLS: usize = 768;
+    /// Rows whose accumulators are parked between column passes (whole 3-row groups).
+    const PARK2_ROWS: usize = 255;
+
+    /// `acc[t][r] +=` columns `0..len` (a multiple of 8) of weight row `r` (`w + r*wk`)
+    /// times token row `t` (`x + t*xk`): lane `l` takes the columns `c ≡ l (mod 8)` in order,
+    /// one FMA each, as `blk256_*`; starting at a multiple of 8 columns into the rows, this
+    /// continues the same per-lane sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn steps256_f32<const R: usize, const T: usize>(
+        w: *const f32,
+        wk: usize,
+        x: *const f32,
+        xk: usize,
+        acc: &mut [[__m256; R]; T],
+        len: usize,
+    ) {
+        let mut c = 0;
+        while c + 8 <= len {
+            let mut wv = [_mm256_setzero_ps(); R];
+            for (r, v) in wv.iter_mut().enumerate() {
+                *v = _mm256_loadu_ps(w.add(r * wk + c));
+            }
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_load_ps(x.add(t * xk + c));
+                for r in 0..R {
+                    a[r] = _mm256_fmadd_ps(wv[r], xv, a[r]);
+                }
+            }
+            c += 8;
+        }
+    }
+
+    /// One R x T tile over columns `c0..c1` (as `pass_f32`): from zero (`first`) or the
+    /// parked accumulators; parks them again, or (`last`) reduces by `hsum256`, adds the
+    /// columns past the last multiple of 8 in order (`blk256_*`'s tail) and stores.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pass256_f32<const R: usize, const T: usize>(
+        w: *const f32,
+        k: usize,
+        (xt, xk): (*const f32, usize),
+        slot: &mut [__m256; PANEL2_R * PANEL2_T],
+        (c0, c1): (usize, usize),
+        (first, last): (bool, bool),
+        out: Out,
+        (t, r): (usize, usize),
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); R]; T];
+        if !first {
+            for (tt, a) in acc.iter_mut().enumerate() {
+                for (rr, v) in a.iter_mut().enumerate() {
+                    *v = slot[tt * R + rr];
+                }
+            }
+        }
+        let len = (c1 - c0) / 8 * 8;
+        steps256_f32::<R, T>(w.add(c0), k, xt, xk, &mut acc, len);
+        if last {
+            let mut o = [[0f32; R]; T];
+            for (tt, row) in o.iter_mut().enumerate() {
+                for (rr, v) in row.iter_mut().enumerate() {
+                    let mut s = hsum256(acc[tt][rr]);
+                    for cc in c0 + len..c1 {
+                        s += *w.add(rr * k + cc) * *xt.add(tt * xk + cc - c0);
+                    }
+                    *v = s;
+                }
+            }
+            out.store(&o, t, r);
+        } else {
+            for (tt, a) in acc.iter().enumerate() {
+                for (rr, v) in a.iter().enumerate() {
+                    slot[tt * R + rr] = *v;
+                }
+            }
+        }
+    }
+
+    /// `pass256_f32::<R, tt>(args)` for a run-time `tt` in `1..=PANEL2_T`.
+    macro_rules! pass256_tt {
+        ($r:literal, $tt:expr, $args:tt) => {
+            match $tt {
+                1 => pass256_f32::<$r, 1> $args,
+                2 => pass256_f32::<$r, 2> $args,
+                3 => pass256_f32::<$r, 3> $args,
+                4 => pass256_f32::<$r, 4> $args,
+                _ => unreachable!(),
+            }
+        };
+    }
+
+    /// The AVX2 panel driver, as `panel_avx512_f32`: rows `0..rows` of a cached f32 panel for
+    /// all `n` tokens in tiles of 3 rows x up to 4 tokens, each token tile (one column pass of
+    /// it, copied to an aligned buffer) staying in L1 while the panel's row groups pass it.
+    /// The whole-row blocks read 3 weight rows and 4 token rows of `k` columns at once, more
+    /// than L1 holds at the model's widths, so every load came from L2. The same FMAs in the
+    /// same order, so the same bits as `rows_avx2_*`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn panel_avx2_f32(
+        w: *const f32,
+        k: usize,
+        rows: usize,
+        x: *const f32,
+        n: usize,
+        out: Out,
+    ) {
+        let passes = k.div_ceil(PANEL2_COLS);
+        let kc = k.div_ceil(passes).next_multiple_of(8);
+        let sub = if passes == 1 { rows } else { PARK2_ROWS };
+        let mut one = [[_mm256_setzero_ps(); PANEL2_R * PANEL2_T]; 1];
+        let mut all;
+        let park: &mut [[__m256; PANEL2_R * PANEL2_T]] = if passes == 1 {
+            &mut one
+        } else {
+            all = [[_mm256_setzero_ps(); PANEL2_R * PANEL2_T]; PARK2_ROWS / PANEL2_R + PANEL2_R];
+            &mut all
+        };
+        let mut xbuf = XTile2([0.0; PANEL2_T * PANEL2_COLS]);
+        let mut s0 = 0;
+        while s0 < rows {
+            let s1 = (s0 + sub).min(rows);
+            let mut t = 0;
+            while t < n {
+                let tt = (n - t).min(PANEL2_T);
+                let mut c0 = 0;
+                while c0 < k {
+                    let c1 = (c0 + kc).min(k);
+                    for j in 0..tt {
+                        let src = std::slice::from_raw_parts(x.add((t + j) * k + c0), c1 - c0);
+                        xbuf.0[j * kc..j * kc + (c1 - c0)].copy_from_slice(src);
+                    }
+                    let xt = (xbuf.0.as_ptr(), kc);
+                    let fl = (c0 == 0, c1 == k);
+                    let mut r = s0;
+                    let mut g = 0;
+                    while r < s1 {
+                        let full = s1 - r >= PANEL2_R;
+                        let wr = w.add(r * k);
+                        let slot = &mut park[if passes == 1 { 0 } else { g }];
+                        let c = (c0, c1);
+                        if full {
+                            pass256_tt!(3, tt, (wr, k, xt, slot, c, fl, out, (t, r)));
+                        } else {
+                            pass256_tt!(1, tt, (wr, k, xt, slot, c, fl, out, (t, r)));
+                        }
+                        r += if full { PANEL2_R } else { 1 };
+                        g += 1;
+                    }
+                    c0 = c1;
+                }
+                t += tt;
+            }
+            s0 = s1;
+        }
+    }
+
+    #[repr(C, align(32))]
+    struct XTile2([f32; PANEL2_T * PANEL2_COLS]);
 
     /// Widens `dst.len()` bf16 values to f32, 16 per step.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
@@ -1785,7 +1957,12 @@ mod timing {
     fn timing_prefill() {
         let threads = rayon::current_num_threads();
         let isa = Isa::detect(false);
-        for &(m, k) in &[(1536usize, 576usize), (576, 1536)] {
+        for &(m, k) in &[
+            (1536usize, 576usize),
+            (576, 1536),
+            (8192, 2048),
+            (2048, 8192),
+        ] {
             let wf: Vec<f32> = (0..m * k).map(|i| (i % 17) as f32 * 0.01).collect();
             let w: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
             let mat = MatRef {
