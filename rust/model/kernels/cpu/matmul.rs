@@ -21,7 +21,8 @@
 //!   while a block of tokens passes it. On AVX-512 the register tile is 4 rows x 6 tokens; each
 //!   token tile is copied to an aligned buffer and stays in L1 while the panel's row groups
 //!   stream past it, in column passes of 768 for long rows (the accumulators parked between
-//!   passes: the same FMAs in the same order). On SmolLM-135M shapes (bf16, n = 512, one thread
+//!   passes: the same FMAs in the same order); on AVX2 the same driver with a 3-row x 4-token
+//!   tile (`panel_avx2_f32`). On SmolLM-135M shapes (bf16, n = 512, one thread
 //!   of the 2-core Sapphire Rapids box) it runs at about 0.9-1.0x the speed of the convert-panel
 //!   + `gemm` path it replaced, and faster at n <= 128.
 //!
