@@ -210,9 +210,10 @@ unsafe fn bit_j(p: *const u8, j: usize, add: i8) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(add))
 }
 
+/// `linear::step` on 8 lanes (also [`super::avx2_x16`]'s).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn step(
+pub(super) unsafe fn step(
     min: bool,
     acc: __m256,
     dw: __m256,

@@ -17,6 +17,7 @@
 //! tiles.
 
 use super::activation::Act;
+use super::avx2::step;
 use super::interleave::GROUP;
 use super::linear::{Out, QuantMatRef};
 use super::QuantType;
@@ -93,28 +94,6 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
             out.put(t0 + t, r0 + i, v);
         }
     }
-}
-
-/// `linear::step` on 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn step(
-    acc: __m256,
-    dw: __m256,
-    mw: Option<__m256>,
-    dx: __m256,
-    i1: __m256i,
-    i2: __m256i,
-) -> __m256 {
-    let p = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(i1));
-    let p = match mw {
-        Some(mw) => _mm256_add_ps(
-            p,
-            _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(i2)),
-        ),
-        None => p,
-    };
-    _mm256_add_ps(acc, p)
 }
 
 /// Four activation bytes of token row `x` at `off`, in every lane.
@@ -266,7 +245,7 @@ unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
             let mw = _mm256_xor_ps(rows_f16(p.add(32 + 16 * h)), _mm256_set1_ps(-0.0));
             for t in 0..T {
                 let dx = _mm256_set1_ps(act.d[act.at(t0 + t, sb)]);
-                acc[t][h] = step(acc[t][h], dw, Some(mw), dx, i1[t][h], i2[t][h]);
+                acc[t][h] = step(true, acc[t][h], dw, mw, dx, i1[t][h], i2[t][h]);
             }
         }
     }
@@ -364,7 +343,8 @@ unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
             for t in 0..T {
                 let i = _mm256_sub_epi32(i1[t][h], _mm256_slli_epi32::<5>(side[t][h]));
                 let dx = _mm256_set1_ps(act.d[act.at(t0 + t, sb)]);
-                acc[t][h] = step(acc[t][h], dw, None, dx, i, _mm256_setzero_si256());
+                let (mw, i2) = (_mm256_setzero_ps(), _mm256_setzero_si256());
+                acc[t][h] = step(false, acc[t][h], dw, mw, dx, i, i2);
             }
         }
     }
