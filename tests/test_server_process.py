@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -156,6 +157,28 @@ async def test_openai_async_client_concurrent_streams(server: Server, model_dir:
     got = await asyncio.gather(*[one(m, i % 2 == 0) for i, m in enumerate(CONVERSATIONS)])
     assert got == [r.text for r in refs]
     await client.close()
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(server: Server) -> None:
+    """httpx (and so the openai client) reuses a connection idle up to 5 s. The server must keep
+    it open longer: if it closed first, a request sent just as it closes would be reset (a
+    `ReadError` in the client); uvicorn's own default is those same 5 s."""
+    assert httpx.Limits().keepalive_expiry == 5.0
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        for wait in (0.0, 5.5):
+            time.sleep(wait)
+            sock.sendall(request)
+            raw = b""
+            while b"\r\n\r\n" not in raw and (chunk := sock.recv(65536)):
+                raw += chunk
+            head, _, body = raw.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n"), (wait, raw)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while len(body) < length:
+                body += sock.recv(65536)
+            assert json.loads(body)["status"] == "ok", body
 
 
 @pytest.mark.anyio

@@ -45,6 +45,13 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
 
 
+# How long an idle kept-alive connection stays open. Longer than clients keep theirs (httpx, and
+# so the openai client, 5 s; load balancers 60 s), so that the client always closes an idle
+# connection first: in the other order a request sent just as the server closes is reset
+# (uvicorn's own default equals httpx's, and that race failed the soak).
+KEEP_ALIVE_SECONDS = 75.0
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, told that a signal means "drain", and without re-raising the signal after
     a graceful shutdown (uvicorn does, which would make the exit status 143 instead of 0)."""
@@ -78,6 +85,7 @@ async def serve_app(
     port: int = 8000,
     grace_seconds: float = 30.0,
     log_level: str = "info",
+    keep_alive_seconds: float = KEEP_ALIVE_SECONDS,
 ) -> int:
     """Runs `app` (from `create_app`) until a signal or a fatal engine error; returns the exit
     status: 0 after a signal, 1 after a fatal error."""
@@ -93,6 +101,7 @@ async def serve_app(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=grace_seconds,
+        timeout_keep_alive=keep_alive_seconds,
     )
     server = _Server(config, state)
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -118,6 +127,7 @@ def serve(
     max_body_bytes: int = 4 * 1024 * 1024,
     grace_seconds: float = 30.0,
     log_level: str = "info",
+    keep_alive_seconds: float | None = None,
     served_model_name: str | None = None,
     log_prompts: bool = False,
     allowed_origins: tuple[str, ...] = (),
@@ -163,7 +173,16 @@ def serve(
             "listening on %s without --api-key: anyone who can reach it can use it", host
         )
     app = create_app(load, settings)
-    return _run(serve_app(app, host, port, grace_seconds, log_level))
+    return _run(
+        serve_app(
+            app,
+            host,
+            port,
+            grace_seconds,
+            log_level,
+            KEEP_ALIVE_SECONDS if keep_alive_seconds is None else keep_alive_seconds,
+        )
+    )
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
