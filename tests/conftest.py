@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     cache: dict[tuple[object, ...], Path] = {}
 
     def make(family: str, dtype: str = "f32", preset: str = "tiny", **overrides: object) -> Path:
-        key = (family, dtype, preset, tuple(sorted(overrides.items())))
+        key = (family, dtype, preset, repr(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"{family}-{dtype}")
             cache[key] = make_model(out, family, preset, dtype, 0, **overrides)

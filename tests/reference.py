@@ -1,10 +1,12 @@
-"""Independent NumPy reference forward pass for Llama-family HF model folders
-and GGUF files (read and dequantized by the `gguf` package).
+"""Independent NumPy reference forward pass for Llama-family, Gemma 3 and
+mixture-of-experts (Qwen3-MoE, Mixtral) HF model folders and Llama-family GGUF
+files (read and dequantized by the `gguf` package).
 
 Written from the Hugging Face transformers semantics (LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), not from strata-rs
-code, and computed in float64 so it is a trustworthy yardstick for the
-engine's float32 output.
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
+Qwen3MoeForCausalLM, MixtralForCausalLM), not from strata-rs code, and computed
+in float64 so it is a trustworthy yardstick for the engine's float32 output
+(tests/test_transformers_parity.py checks it against transformers itself).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,31 @@ def rope_attention_factor(config: Mapping[str, Any]) -> float:
     return mscale(1.0)
 
 
+# Gemma3TextConfig's defaults for the bases of its two layer types.
+GEMMA3_FULL_THETA = 1_000_000.0
+GEMMA3_SLIDING_THETA = 10_000.0
+
+
+def gemma3_rope_config(config: Mapping[str, Any], layer_type: str) -> dict[str, Any]:
+    """The RoPE of one Gemma 3 layer type ("full_attention" or "sliding_attention") as a
+    single-RoPE config that `inv_freq` and `rope_attention_factor` read."""
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        # transformers 5: one dict per layer type, theta inside.
+        own = dict(params.get(layer_type) or {"rope_type": "default"})
+        default = GEMMA3_FULL_THETA if layer_type == "full_attention" else GEMMA3_SLIDING_THETA
+        own.setdefault("rope_theta", default)
+        return {**config, "rope_parameters": own}
+    single = {k: v for k, v in config.items() if k != "rope_parameters"}
+    if layer_type == "sliding_attention":
+        # transformers 4: sliding layers take rope_local_base_freq and never rope_scaling.
+        single["rope_theta"] = config.get("rope_local_base_freq", GEMMA3_SLIDING_THETA)
+        single["rope_scaling"] = None
+    else:
+        single["rope_theta"] = config.get("rope_theta", GEMMA3_FULL_THETA)
+    return single
+
+
 def apply_rope(
     x: np.ndarray, positions: np.ndarray, freqs: np.ndarray, scale: float = 1.0
 ) -> np.ndarray:
@@ -186,6 +213,11 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+def gemma_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Gemma's RMSNorm scales by (1 + weight): its weights are stored as offsets from 1."""
+    return rms_norm(x, 1.0 + weight, eps)
+
+
 def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
     """torch.nn.Linear: weight is [out, in]."""
     y = x @ weight.T
@@ -196,14 +228,39 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU's tanh approximation (torch's gelu(approximate="tanh"), HF "gelu_pytorch_tanh")."""
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def gemma3_layer_type(config: Mapping[str, Any], layer: int) -> str:
+    """One Gemma 3 layer's type, "sliding_attention" or "full_attention": from layer_types,
+    else (the Hub's transformers 4.50 configs) from sliding_window_pattern, default 6: layer i
+    is full when i + 1 is a multiple of it."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return str(layer_types[layer])
+    pattern = int(config.get("sliding_window_pattern") or 6)
+    return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+
+
 def _layer_window(config: Mapping[str, Any], layer: int) -> int | None:
     """Sliding window of one layer, or None for full causal attention."""
     family = config["model_type"]
+    if family == "gemma3_text":
+        if gemma3_layer_type(config, layer) != "sliding_attention":
+            return None
+        window = config.get("sliding_window", 4096)  # Gemma3TextConfig's default
+        return None if window is None else int(window)
     window = config.get("sliding_window")
     if window is None:
         return None
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return int(window)
+    if family == "qwen3_moe":
+        # Qwen3MoeConfig (transformers 5) keeps sliding_window only with use_sliding_window and
+        # then every layer slides: unlike dense Qwen2/Qwen3, max_window_layers is not read.
+        return int(window) if config.get("use_sliding_window", False) else None
     if family in ("qwen2", "qwen3"):
         layer_types = config.get("layer_types")
         if layer_types is not None:
@@ -214,6 +271,47 @@ def _layer_window(config: Mapping[str, Any], layer: int) -> int | None:
         max_window_layers = config.get("max_window_layers", 0)
         return int(window) if layer >= max_window_layers else None
     return None
+
+
+def qwen3_moe_sparse_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """Qwen3MoeDecoderLayer's choice: the experts unless the layer is in mlp_only_layers,
+    provided num_experts > 0 and (layer + 1) % decoder_sparse_step == 0; else a dense MLP."""
+    return (
+        layer not in (config.get("mlp_only_layers") or [])
+        and int(config["num_experts"]) > 0
+        and (layer + 1) % int(config.get("decoder_sparse_step", 1)) == 0
+    )
+
+
+def sparse_moe(
+    h: np.ndarray,
+    router: np.ndarray,
+    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    top_k: int,
+    renormalize: bool,
+    mm: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock on rows h [n, hidden]: (output, router
+    logits [n, experts]). Each row's router probabilities are the softmax over all experts; its
+    top_k experts run, weighted by their probabilities (renormalized to sum to 1 when
+    `renormalize`). `experts` are (gate, up, down) weights; `mm(x, weight)` is the matmul."""
+    logits = mm(h, router)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    # Highest first; a tie goes to the lower expert (the tiny models have none to break).
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(probs, chosen, axis=-1)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(h)
+    for e, (gate, up, down) in enumerate(experts):
+        rows, slot = np.nonzero(chosen == e)
+        if len(rows) == 0:
+            continue
+        x = h[rows]
+        y = mm(_silu(mm(x, gate)) * mm(x, up), down)
+        out[rows] += weights[rows, slot][:, None] * y
+    return out, logits
 
 
 # Query rows per block of the reference's attention.
@@ -246,7 +344,18 @@ def reference_logits(
 
 
 # GGUF architecture -> HF model_type.
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "qwen3moe": "qwen3_moe",
+}
+# Stacked experts (GGUF) -> each expert's HF name after `experts.E.`, per family.
+_GGUF_EXPERTS = {
+    "qwen3_moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
 # GGUF tensor names -> HF names (after blk.N. / model.layers.N.).
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -260,6 +369,13 @@ _GGUF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma 3's layer norms (llama.cpp's names; its ffn_norm is the pre-MLP norm).
+_GGUF_GEMMA3_LAYER = {
+    **_GGUF_LAYER,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -290,6 +406,9 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
     arch = field("general.architecture")
     if arch not in _GGUF_ARCH:
         raise NotImplementedError(f"GGUF architecture {arch!r}")
+    n_experts = int(field(f"{arch}.expert_count", 0))
+    # Mixtral files are llama files with experts.
+    family = "mixtral" if arch == "llama" and n_experts else _GGUF_ARCH[arch]
     head_count = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     head_dim = int(field(f"{arch}.attention.key_length", hidden // head_count))
@@ -301,15 +420,29 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
         name = t.name
         if name in _GGUF_TOP:
             name = _GGUF_TOP[name]
+        elif "_exps." in name or ".ffn_gate_inp." in name:
+            _, layer, rest = name.split(".", 2)
+            block, experts = _GGUF_EXPERTS[family]
+            if rest == "ffn_gate_inp.weight":
+                raw[f"model.layers.{layer}.{block}.gate.weight"] = data
+                continue
+            which = experts[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
+            for e in range(n_experts):
+                raw[f"model.layers.{layer}.{block}.experts.{e}.{which}.weight"] = data[e]
+            continue
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
             base, suffix = rest.rsplit(".", 1)
-            name = f"model.layers.{layer}.{_GGUF_LAYER[base]}.{suffix}"
+            names = _GGUF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_LAYER
+            name = f"model.layers.{layer}.{names[base]}.{suffix}"
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _from_adjacent_pairs(data, head_dim)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's 1 + w; the HF forward adds the 1 itself.
+            data = data.astype(np.float64) - 1.0
         raw[name] = data
     config: dict[str, Any] = {
-        "model_type": _GGUF_ARCH[arch],
+        "model_type": family,
         "hidden_size": hidden,
         "num_attention_heads": head_count,
         "num_key_value_heads": int(field(f"{arch}.attention.head_count_kv", head_count)),
@@ -335,6 +468,37 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
             "beta_fast": field(f"{arch}.rope.scaling.yarn_beta_fast"),
             "beta_slow": field(f"{arch}.rope.scaling.yarn_beta_slow"),
         }
+    if n_experts:
+        # llama.cpp renormalizes the k weights of both (qwen3_moe's norm_topk_prob); layers
+        # without a router are dense.
+        layers = config["num_hidden_layers"]
+        routed = {n.split(".")[2] for n in raw if n.endswith(".gate.weight")}
+        config.update(
+            num_experts=n_experts,
+            num_local_experts=n_experts,
+            num_experts_per_tok=int(field(f"{arch}.expert_used_count")),
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(layers) if str(i) not in routed],
+            intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        )
+        width = field(f"{arch}.expert_feed_forward_length")
+        config["moe_intermediate_size"] = int(width) if width else config["intermediate_size"]
+    if arch == "gemma3":
+        # What llama.cpp's gemma3 loader fixes rather than reads (see its llama-model.cpp):
+        # with a window, every sixth layer global and the others on base 10000 unscaled; the
+        # scale of the head size but for the 27B (62 layers).
+        layers = config["num_hidden_layers"]
+        window = field("gemma3.attention.sliding_window")
+        config["sliding_window"] = int(window) if window else None
+        config["layer_types"] = [
+            "full_attention" if not window or i % 6 == 5 else "sliding_attention"
+            for i in range(layers)
+        ]
+        config["rope_local_base_freq"] = 10000.0
+        config["query_pre_attn_scalar"] = hidden // head_count if layers == 62 else head_dim
+        config["final_logit_softcapping"] = field("gemma3.final_logit_softcapping")
+        config["hidden_activation"] = "gelu_pytorch_tanh"
     freqs = None
     factors = raw.pop("rope_freqs.weight", None)
     if factors is not None:
@@ -350,16 +514,67 @@ def round_bf16(x: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
+def _moe_block(
+    config: Mapping[str, Any],
+    raw: Mapping[str, np.ndarray],
+    p: str,
+    h: np.ndarray,
+    rounded: Callable[[np.ndarray], np.ndarray],
+    router_logits: dict[int, np.ndarray] | None,
+    layer: int,
+) -> np.ndarray:
+    """One layer's experts over h, named as the Hub's checkpoints name them (one tensor per
+    expert): Mixtral's block_sparse_moe.{gate, experts.E.w1/w3/w2} (w1 the gate projection,
+    w3 the up, w2 the down), Qwen3-MoE's mlp.{gate, experts.E.gate_proj/up_proj/down_proj}."""
+    if config["model_type"] == "mixtral":
+        block, names = p + "block_sparse_moe.", ("w1", "w3", "w2")
+        n_experts = int(config["num_local_experts"])
+        # MixtralTopKRouter always renormalizes the chosen experts' probabilities.
+        renormalize = True
+    else:
+        block, names = p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        n_experts = int(config["num_experts"])
+        # Qwen3MoeConfig's default is False; Qwen3-MoE checkpoints set it true.
+        renormalize = bool(config.get("norm_topk_prob", False))
+
+    def w(name: str) -> np.ndarray:
+        return raw[name].astype(np.float64)
+
+    gate, up, down = names
+    experts = [
+        (
+            w(f"{block}experts.{e}.{gate}.weight"),
+            w(f"{block}experts.{e}.{up}.weight"),
+            w(f"{block}experts.{e}.{down}.weight"),
+        )
+        for e in range(n_experts)
+    ]
+    out, logits = sparse_moe(
+        h,
+        w(block + "gate.weight"),
+        experts,
+        int(config["num_experts_per_tok"]),
+        renormalize,
+        lambda x, weight: _linear(rounded(x), weight, None),
+    )
+    if router_logits is not None:
+        router_logits[layer] = logits
+    return out
+
+
 def forward(
     config: Mapping[str, Any],
     raw: Mapping[str, np.ndarray],
     token_ids: list[int],
     freqs: np.ndarray | None,
     matmul_inputs: str = "f32",
+    router_logits: dict[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE.
     `matmul_inputs="bf16"` rounds every weight matmul's input rows to bf16 first, the
-    arithmetic of an engine whose info["matmul_inputs"] says so (and of a PyTorch bf16 model)."""
+    arithmetic of an engine whose info["matmul_inputs"] says so (and of a PyTorch bf16 model).
+    A `router_logits` dict receives each MoE layer's router logits [n, experts] by layer index
+    (for tests of how decisively the tiny models route)."""
     if matmul_inputs not in ("f32", "bf16"):
         raise ValueError(f"matmul_inputs {matmul_inputs!r}")
     rounded = round_bf16 if matmul_inputs == "bf16" else (lambda v: v)
@@ -368,8 +583,14 @@ def forward(
         return _linear(rounded(x), w(name), bias)
 
     family = config["model_type"]
-    if family not in ("llama", "mistral", "qwen2", "qwen3"):
+    if family not in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral"):
         raise NotImplementedError(f"model_type {family!r}")
+    gemma = family == "gemma3_text"
+    if gemma and freqs is not None:
+        raise NotImplementedError("RoPE frequencies from a Gemma 3 GGUF file")
+    if gemma and config.get("use_bidirectional_attention"):
+        raise NotImplementedError("Gemma 3 with use_bidirectional_attention")
+    norm = gemma_rms_norm if gemma else rms_norm
 
     def w(name: str) -> np.ndarray:
         return raw[name].astype(np.float64)
@@ -380,33 +601,55 @@ def forward(
     hidden = int(config["hidden_size"])
     n_heads = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_heads)
-    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    # Gemma3TextConfig's head_dim defaults to 256, not hidden / heads.
+    head_dim = int(config.get("head_dim") or (256 if gemma else hidden // n_heads))
     eps = float(config["rms_norm_eps"])
     group = n_heads // n_kv
-    if freqs is None:
-        freqs = inv_freq(config, head_dim)
-    rope_scale = rope_attention_factor(config)
+    # Per layer: (RoPE frequencies, cos/sin factor). Gemma 3's full and sliding layers each
+    # have their own; every other family has one for all layers.
+    if gemma:
+        ropes: dict[str, tuple[np.ndarray, float]] = {}
+        for layer_type in ("full_attention", "sliding_attention"):
+            single = gemma3_rope_config(config, layer_type)
+            ropes[layer_type] = (inv_freq(single, head_dim), rope_attention_factor(single))
+    else:
+        shared = (
+            inv_freq(config, head_dim) if freqs is None else freqs,
+            rope_attention_factor(config),
+        )
+    # Gemma 3 scales scores by query_pre_attn_scalar ** -0.5 (default 256), whatever head_dim is.
+    if gemma:
+        score_scale = float(config.get("query_pre_attn_scalar", 256)) ** -0.5
+    else:
+        score_scale = 1.0 / math.sqrt(head_dim)
 
     ids = np.asarray(token_ids, dtype=np.int64)
     n = len(ids)
     positions = np.arange(n)
     x = w("model.embed_tokens.weight")[ids]
+    if gemma:
+        # Gemma scales embeddings by sqrt(hidden_size). transformers casts that factor to the
+        # weight dtype it runs in: exact for f32 and f64 runs up to f32 rounding of the square
+        # root (8.0 exactly for hidden 64), but a bf16 run rounds it, e.g. sqrt(2560) = 50.596
+        # to 50.5 for Gemma 3 4B.
+        x = x * math.sqrt(hidden)
 
     for layer in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{layer}."
-        h = rms_norm(x, w(p + "input_layernorm.weight"), eps)
+        layer_freqs, rope_scale = ropes[gemma3_layer_type(config, layer)] if gemma else shared
+        h = norm(x, w(p + "input_layernorm.weight"), eps)
         q = mm(h, p + "self_attn.q_proj.weight", maybe(p + "self_attn.q_proj.bias"))
         k = mm(h, p + "self_attn.k_proj.weight", maybe(p + "self_attn.k_proj.bias"))
         v = mm(h, p + "self_attn.v_proj.weight", maybe(p + "self_attn.v_proj.bias"))
         q = q.reshape(n, n_heads, head_dim).transpose(1, 0, 2)
         k = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
         v = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
-        if family == "qwen3":
-            # Qwen3 normalizes each head's q and k before RoPE.
-            q = rms_norm(q, w(p + "self_attn.q_norm.weight"), eps)
-            k = rms_norm(k, w(p + "self_attn.k_norm.weight"), eps)
-        q = apply_rope(q, positions, freqs, rope_scale)
-        k = apply_rope(k, positions, freqs, rope_scale)
+        if family in ("qwen3", "qwen3_moe", "gemma3_text"):
+            # Qwen3 (dense and MoE) and Gemma 3 normalize each head's q and k before RoPE.
+            q = norm(q, w(p + "self_attn.q_norm.weight"), eps)
+            k = norm(k, w(p + "self_attn.k_norm.weight"), eps)
+        q = apply_rope(q, positions, layer_freqs, rope_scale)
+        k = apply_rope(k, positions, layer_freqs, rope_scale)
         # GQA: query head hq reads kv head hq // group.
         k = np.repeat(k, group, axis=0)
         v = np.repeat(v, group, axis=0)
@@ -416,7 +659,8 @@ def forward(
         # long sequence (16K+ positions) would not fit in memory at once.
         for r0 in range(0, n, QUERY_BLOCK):
             r1 = min(n, r0 + QUERY_BLOCK)
-            scores = q[:, r0:r1] @ k[:, :r1].transpose(0, 2, 1) / math.sqrt(head_dim)
+            # Gemma 3 ignores attn_logit_softcapping (transformers stores it, never applies it).
+            scores = q[:, r0:r1] @ k[:, :r1].transpose(0, 2, 1) * score_scale
             mask = _attention_mask(r1, window, range(r0, r1))
             scores = np.where(mask[None], scores, -np.inf)
             scores -= scores.max(axis=-1, keepdims=True)
@@ -424,18 +668,37 @@ def forward(
             probs /= probs.sum(axis=-1, keepdims=True)
             attn[:, r0:r1] = probs @ v[:, :r1]
         attn = attn.transpose(1, 0, 2).reshape(n, n_heads * head_dim)
-        x = x + mm(attn, p + "self_attn.o_proj.weight", maybe(p + "self_attn.o_proj.bias"))
+        out = mm(attn, p + "self_attn.o_proj.weight", maybe(p + "self_attn.o_proj.bias"))
+        if gemma:
+            # Gemma normalizes each sublayer's output before the residual add too; there
+            # post_attention_layernorm is that output norm, the MLP's input norm is
+            # pre_feedforward_layernorm.
+            x = x + norm(out, w(p + "post_attention_layernorm.weight"), eps)
+            h = norm(x, w(p + "pre_feedforward_layernorm.weight"), eps)
+        else:
+            x = x + out
+            h = norm(x, w(p + "post_attention_layernorm.weight"), eps)
+        if family == "mixtral" or (family == "qwen3_moe" and qwen3_moe_sparse_layer(config, layer)):
+            out = _moe_block(config, raw, p, h, rounded, router_logits, layer)
+        else:
+            gate = mm(h, p + "mlp.gate_proj.weight")
+            up = mm(h, p + "mlp.up_proj.weight")
+            act = _gelu_tanh(gate) if gemma else _silu(gate)
+            out = mm(act * up, p + "mlp.down_proj.weight")
+        if gemma:
+            out = norm(out, w(p + "post_feedforward_layernorm.weight"), eps)
+        x = x + out
 
-        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), eps)
-        gate = mm(h, p + "mlp.gate_proj.weight")
-        up = mm(h, p + "mlp.up_proj.weight")
-        x = x + mm(_silu(gate) * up, p + "mlp.down_proj.weight")
-
-    x = rms_norm(x, w("model.norm.weight"), eps)
-    # transformers' default for these families is untied; when tied, any
-    # lm_head.weight in the file is ignored in favour of the embedding.
-    if config.get("tie_word_embeddings", False):
+    x = norm(x, w("model.norm.weight"), eps)
+    # transformers' default for the Llama family is untied (Gemma 3's is tied); when tied,
+    # any lm_head.weight in the file is ignored in favour of the embedding.
+    if config.get("tie_word_embeddings", gemma):
         head = w("model.embed_tokens.weight")
     else:
         head = w("lm_head.weight")
-    return rounded(x) @ head.T
+    logits = rounded(x) @ head.T
+    cap = config.get("final_logit_softcapping") if gemma else None
+    if cap is not None:
+        # Gemma's final soft cap squashes every logit into (-cap, cap).
+        logits = cap * np.tanh(logits / cap)
+    return logits

@@ -38,6 +38,7 @@ SPECIAL_TOKENS: dict[str, dict[str, Any]] = {
         "unk_token": "<unk>",
     },
     "pyisms": {"bos_token": "<s>", "eos_token": "</s>"},
+    "gemma3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
 }
 
 ALL_SPECIALS = [
@@ -51,6 +52,12 @@ ALL_SPECIALS = [
     "<s>",
     "</s>",
     "<unk>",
+    "<bos>",
+    "<eos>",
+    "<pad>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
 ]
 
 TOOLS: list[dict[str, Any]] = [
@@ -158,7 +165,7 @@ Case = tuple[str, str, list[Message], dict[str, Any]]
 
 def cases() -> list[Case]:
     out: list[Case] = []
-    for template in ["qwen25", "qwen3", "llama3", "mistral", "pyisms"]:
+    for template in ["qwen25", "qwen3", "llama3", "mistral", "pyisms", "gemma3"]:
         for name, messages in SIMPLE.items():
             out.append((template, name, messages, {}))
     for template in ["qwen25", "qwen3"]:
@@ -177,6 +184,7 @@ def cases() -> list[Case]:
         )
     )
     out.append(("pyisms", "multimodal", MULTIMODAL, {}))
+    out.append(("gemma3", "multimodal", MULTIMODAL[:3], {}))
     return out
 
 
@@ -194,6 +202,11 @@ ERROR_CASES: list[tuple[str, list[Message], str]] = [
         "user/assistant/user/assistant/...",
     ),
     ("pyisms", [{"role": "narrator", "content": "x"}], "Unknown role: narrator"),
+    (
+        "gemma3",
+        [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}],
+        "Conversation roles must alternate user/assistant/user/assistant/...",
+    ),
 ]
 
 

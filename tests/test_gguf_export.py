@@ -55,12 +55,27 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("mistral", {}),
     ("qwen2", {}),
     ("qwen3", {}),
+    # What GGUF can express of Gemma 3 (llama.cpp fixes the layer pattern and the attention
+    # scale): six layers, the last global, the scale of the head size; a final soft cap.
+    (
+        "gemma3",
+        {
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "sliding_window_pattern": 6,
+            "query_pre_attn_scalar": 32,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    # Stacked experts; llama.cpp's qwen3moe has no dense layers and always renormalizes.
+    ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
+    ("mixtral", {}),
 ]
 
 
 def _case_id(case: tuple[str, dict[str, Any]]) -> str:
     family, overrides = case
-    return family + ("-norope" if "rope_scaling" in overrides else "")
+    return family + ("-norope" if overrides.get("rope_scaling", 0) is None else "")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +86,7 @@ def exported(
     cache: dict[tuple[object, ...], tuple[Path, Path]] = {}
 
     def export(family: str, **overrides: Any) -> tuple[Path, Path]:
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))
         if key not in cache:
             folder = model_dir(family, "f32", **overrides)
             out = tmp_path_factory.mktemp("gguf") / f"{family}.gguf"

@@ -9,11 +9,14 @@ import json
 import math
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from reference import (
     apply_rope,
+    forward,
+    gemma3_rope_config,
     inv_freq,
     load_weights,
     read_safetensors,
@@ -53,12 +56,16 @@ def f32_logits(models: dict[tuple[str, str], Path]) -> dict[str, np.ndarray]:
 
 
 def expected_shapes(config: dict) -> dict[str, list[int]]:
-    """Tensor names/shapes spelled out from the HF modelling code."""
+    """Tensor names/shapes spelled out from the HF modelling code (for the MoE families, as the
+    Hub's checkpoints store them: one tensor per expert and projection)."""
     family = config["model_type"]
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd = config.get("head_dim") or h // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
-    bias = family == "qwen2" or (family in ("llama", "qwen3") and config.get("attention_bias"))
+    attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3_text") and config.get(
+        "attention_bias"
+    )
+    bias = family == "qwen2" or attention_bias
     out: dict[str, list[int]] = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
@@ -69,17 +76,42 @@ def expected_shapes(config: dict) -> dict[str, list[int]]:
             p + "self_attn.k_proj.weight": [kv, h],
             p + "self_attn.v_proj.weight": [kv, h],
             p + "self_attn.o_proj.weight": [h, q],
-            p + "mlp.gate_proj.weight": [i, h],
-            p + "mlp.up_proj.weight": [i, h],
-            p + "mlp.down_proj.weight": [h, i],
         }
+        # Qwen3MoeDecoderLayer: experts unless in mlp_only_layers or off the decoder_sparse_step.
+        qwen3_moe_sparse = (
+            family == "qwen3_moe"
+            and n not in config["mlp_only_layers"]
+            and (n + 1) % config["decoder_sparse_step"] == 0
+        )
+        if family == "mixtral":
+            # Mixtral's experts are w1 (gate), w3 (up), w2 (down), intermediate_size wide.
+            e = p + "block_sparse_moe."
+            out[e + "gate.weight"] = [config["num_local_experts"], h]
+            for x in range(config["num_local_experts"]):
+                out |= {f"{e}experts.{x}.w1.weight": [i, h], f"{e}experts.{x}.w3.weight": [i, h]}
+                out[f"{e}experts.{x}.w2.weight"] = [h, i]
+        elif qwen3_moe_sparse:
+            m, e = config["moe_intermediate_size"], p + "mlp."
+            out[e + "gate.weight"] = [config["num_experts"], h]
+            for x in range(config["num_experts"]):
+                out |= {f"{e}experts.{x}.gate_proj.weight": [m, h]}
+                out |= {f"{e}experts.{x}.up_proj.weight": [m, h]}
+                out[f"{e}experts.{x}.down_proj.weight"] = [h, m]
+        else:
+            out |= {p + "mlp.gate_proj.weight": [i, h], p + "mlp.up_proj.weight": [i, h]}
+            out[p + "mlp.down_proj.weight"] = [h, i]
         if bias:
             out |= {p + "self_attn.q_proj.bias": [q], p + "self_attn.k_proj.bias": [kv]}
             out |= {p + "self_attn.v_proj.bias": [kv]}
-        if family != "qwen2" and config.get("attention_bias"):
+        if attention_bias:
             out[p + "self_attn.o_proj.bias"] = [h]
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe", "gemma3_text"):
             out |= {p + "self_attn.q_norm.weight": [hd], p + "self_attn.k_norm.weight": [hd]}
+        if family == "gemma3_text":
+            out |= {
+                p + "pre_feedforward_layernorm.weight": [h],
+                p + "post_feedforward_layernorm.weight": [h],
+            }
     if not config["tie_word_embeddings"]:
         out["lm_head.weight"] = [v, h]
     return out
@@ -100,20 +132,54 @@ def test_config_and_side_files(models: dict[tuple[str, str], Path], family: str)
     for dtype, torch_dtype in (("f32", "float32"), ("bf16", "bfloat16"), ("f16", "float16")):
         config = json.loads((models[family, dtype] / "config.json").read_text())
         assert config["torch_dtype"] == torch_dtype
-    assert config["model_type"] == family
+    assert config["model_type"] == {"gemma3": "gemma3_text"}.get(family, family)
     assert config["architectures"] == [
         {
             "llama": "LlamaForCausalLM",
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "gemma3": "Gemma3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM",
         }[family]
     ]
-    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2
+    assert config["hidden_size"] == 64
+    assert config["num_hidden_layers"] == {"gemma3": 4, "qwen3_moe": 3}.get(family, 2)
     assert config["num_attention_heads"] == 4 and config["num_key_value_heads"] == 2
-    assert config["tie_word_embeddings"] == (family in ("qwen3", "mistral"))
-    if family == "qwen3":
+    assert config["tie_word_embeddings"] == (family in ("qwen3", "mistral", "gemma3"))
+    if family in ("qwen3", "qwen3_moe", "mixtral"):
         assert config["head_dim"] == 16
+    if family == "qwen3_moe":
+        # Two sparse layers around a dense one (mlp_only_layers), 8 experts of 32, 2 a token.
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size")
+        assert [config[k] for k in moe] == [8, 2, 32, 128]
+        assert config["mlp_only_layers"] == [1] and config["decoder_sparse_step"] == 1
+        assert config["norm_topk_prob"] is True and config["attention_bias"] is False
+        assert config["use_sliding_window"] is False and config["sliding_window"] is None
+        assert config["output_router_logits"] is False and config["router_aux_loss_coef"] == 0.001
+        assert config["rope_theta"] == 1e6 and config["rope_scaling"] is None
+    if family == "mixtral":
+        # intermediate_size is each expert's width.
+        moe = ("num_local_experts", "num_experts_per_tok", "intermediate_size")
+        assert [config[k] for k in moe] == [8, 2, 32]
+        assert config["sliding_window"] is None and config["router_jitter_noise"] == 0.0
+        assert config["output_router_logits"] is False and config["router_aux_loss_coef"] == 0.02
+        assert config["rope_theta"] == 1e6 and config["rope_scaling"] is None
+    if family == "gemma3":
+        # Decoupled head_dim, an attention scale that is not head_dim, GELU, no hidden_act.
+        assert config["head_dim"] == 32 and config["query_pre_attn_scalar"] == 24
+        assert config["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in config
+        types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+        assert config["layer_types"] == types
+        # The pattern rule (layer i full when (i + 1) % pattern == 0) gives the same list.
+        pattern = config["sliding_window_pattern"]
+        assert [(i + 1) % pattern == 0 for i in range(4)] == [t == "full_attention" for t in types]
+        assert config["sliding_window"] == 8
+        assert config["rope_theta"] == 1e6 and config["rope_local_base_freq"] == 1e4
+        assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+        assert config["final_logit_softcapping"] is None
+        assert config["attn_logit_softcapping"] is None
     if family == "qwen2":
         assert "attention_bias" not in config and config["use_sliding_window"] is False
     if family == "mistral":
@@ -154,8 +220,12 @@ def test_tensor_names_shapes_dtypes(
         for k, v in truth.items():
             assert loaded[k].dtype == (np.float32 if dtype == "f32" else np.float16)
             np.testing.assert_array_equal(loaded[k], v.astype(loaded[k].dtype))
-    # Norm weights and biases are deliberately not 1 / 0.
-    assert not np.allclose(truth["model.norm.weight"], 1.0)
+    # Norm weights and biases are deliberately not 1 / 0; Gemma's, offsets from 1, not 0.
+    if family == "gemma3":
+        assert abs(truth["model.norm.weight"].mean()) < 0.05
+        assert not np.allclose(truth["model.norm.weight"], 0.0)
+    else:
+        assert not np.allclose(truth["model.norm.weight"], 1.0)
     if family == "qwen2":
         assert np.abs(truth["model.layers.0.self_attn.q_proj.bias"]).max() > 0.01
 
@@ -316,8 +386,18 @@ def test_bf16_reference_close_to_f32(
     models: dict[tuple[str, str], Path], f32_logits: dict[str, np.ndarray], family: str
 ) -> None:
     ref = f32_logits[family]
-    low = reference_logits(models[family, "bf16"], SEQ)
-    assert np.abs(low - ref).max() < 0.02 * (ref.max() - ref.min())
+    low, low_routes = routed_logits(models[family, "bf16"], SEQ)
+    # Rounding the weights moves a router's logits by about 0.005, enough to swap the second and
+    # third experts where they were that close (positions 9 and 83 in qwen3_moe, 30 in mixtral):
+    # a jump in that position's logits (8% and 3% of the range), not an error. Elsewhere (later
+    # positions read that one through attention only) they stay within 1% of the range.
+    routes = routed_logits(models[family, "f32"], SEQ)[1]
+    rerouted = np.zeros(len(SEQ), dtype=bool)
+    for layer, chosen in routes.items():
+        rerouted |= (low_routes[layer] != chosen).any(axis=1)
+    assert rerouted.sum() <= 3
+    close = ~rerouted
+    assert np.abs(low - ref)[close].max() < 0.02 * (ref.max() - ref.min())
     assert (low.argmax(1) == ref.argmax(1)).mean() >= 0.95
 
 
@@ -335,6 +415,17 @@ def test_rope_scaling_frequencies() -> None:
     # transformers 5 style: theta inside rope_parameters.
     v5 = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
     np.testing.assert_allclose(inv_freq(v5, 16), 1.0 / 500.0 ** (np.arange(0, 16, 2) / 16))
+
+
+@pytest.mark.parametrize("rope_form", ["v4", "v5"])
+def test_gemma3_rope_per_layer_type(rope_form: str) -> None:
+    # Full layers: base 1e6, divided by the linear factor 8; sliding layers: base 1e4, unscaled.
+    cfg = build_config("gemma3", "tiny", rope_form=rope_form)
+    exponents = np.arange(0, 32, 2) / 32
+    full = inv_freq(gemma3_rope_config(cfg, "full_attention"), 32)
+    sliding = inv_freq(gemma3_rope_config(cfg, "sliding_attention"), 32)
+    np.testing.assert_allclose(full, 1.0 / 1e6**exponents / 8.0, rtol=1e-15)
+    np.testing.assert_allclose(sliding, 1.0 / 1e4**exponents, rtol=1e-15)
 
 
 def test_yarn_frequencies() -> None:
@@ -403,3 +494,239 @@ def test_reference_is_causal(
 ) -> None:
     prefix = reference_logits(models["qwen3", "f32"], SEQ[:37])
     np.testing.assert_allclose(prefix, f32_logits["qwen3"][:37], rtol=0, atol=1e-10)
+
+
+# --------------------------------------------------------------------------
+# Gemma 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_v5_form_is_the_same_model(
+    tmp_path: Path, f32_logits: dict[str, np.ndarray], family: str
+) -> None:
+    # transformers 5's rope_parameters spelling of the same RoPE gives the same logits, bit
+    # for bit (the same frequencies come out of both).
+    d = make_model(tmp_path / "v5", family, rope_form="v5")
+    config = json.loads((d / "config.json").read_text())
+    assert "rope_parameters" in config
+    assert not {"rope_theta", "rope_scaling", "rope_local_base_freq"} & set(config)
+    np.testing.assert_array_equal(reference_logits(d, SEQ), f32_logits[family])
+
+
+def test_gemma3_v5_rope_parameters() -> None:
+    cfg = build_config("gemma3", "tiny", rope_form="v5")
+    assert cfg["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+
+
+def test_gemma3_pattern_without_layer_types(
+    tmp_path: Path, f32_logits: dict[str, np.ndarray]
+) -> None:
+    # Gemma 3's Hub configs (transformers 4.50) have no layer_types, only sliding_window_pattern.
+    d = make_model(tmp_path / "pattern", "gemma3", layer_types=None)
+    assert json.loads((d / "config.json").read_text())["layer_types"] is None
+    np.testing.assert_array_equal(reference_logits(d, SEQ), f32_logits["gemma3"])
+
+
+def test_gemma3_overrides(tmp_path: Path) -> None:
+    # Another layer count gets layer_types from the pattern (every third layer full).
+    cfg = build_config("gemma3", "tiny", num_hidden_layers=6)
+    assert [t[0] for t in cfg["layer_types"]] == list("ssfssf")
+    # attention_bias puts biases on q, k, v and o alike.
+    d = make_model(tmp_path / "bias", "gemma3", attention_bias=True)
+    config = json.loads((d / "config.json").read_text())
+    header = header_tensors(d / "model.safetensors")
+    assert "model.layers.3.self_attn.o_proj.bias" in header
+    assert {k: v["shape"] for k, v in header.items()} == expected_shapes(config)
+    assert np.isfinite(reference_logits(d, SEQ[:20])).all()
+
+
+# Gemma 3 features the tiny model must exercise: each changed alone moves the argmax of the
+# 100-token sequence at 10 positions or more (measured: 85, 64, 92, 58, 22, 34, 41).
+GEMMA3_CHANGES: dict[str, dict[str, Any]] = {
+    "window-256": {"sliding_window": 256},  # every layer sees every key
+    "window-7": {"sliding_window": 7},
+    "all-full": {"layer_types": ["full_attention"] * 4},
+    "all-sliding": {"layer_types": ["sliding_attention"] * 4},
+    "scale-head-dim": {"query_pre_attn_scalar": 32},  # 1/sqrt(head_dim), the usual scale
+    "full-rope-unscaled": {"rope_scaling": None},
+    "sliding-rope-global-base": {"rope_local_base_freq": 1e6},
+}
+
+
+@pytest.mark.parametrize("change", GEMMA3_CHANGES)
+def test_gemma3_features_show(
+    tmp_path: Path, f32_logits: dict[str, np.ndarray], change: str
+) -> None:
+    other = reference_logits(make_model(tmp_path / "m", "gemma3", **GEMMA3_CHANGES[change]), SEQ)
+    assert (other.argmax(1) != f32_logits["gemma3"].argmax(1)).sum() >= 10
+
+
+def test_gemma3_final_softcap(tmp_path: Path, f32_logits: dict[str, np.ndarray]) -> None:
+    # cap * tanh(logits / cap) on the same model; tanh is monotonic, so no argmax moves: tests of
+    # the cap must compare values (30 moves them by 6e-4 of their range here).
+    capped = reference_logits(
+        make_model(tmp_path / "m", "gemma3", final_logit_softcapping=30.0), SEQ
+    )
+    plain = f32_logits["gemma3"]
+    np.testing.assert_allclose(capped, 30.0 * np.tanh(plain / 30.0), rtol=0, atol=1e-12)
+    assert np.abs(capped - plain).max() > 1e-4 * (plain.max() - plain.min())
+    assert (capped.argmax(1) == plain.argmax(1)).all()
+
+
+# --------------------------------------------------------------------------
+# mixture of experts
+
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def routed_logits(model_dir: Path, seq: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """Reference logits and, per MoE layer, the experts each position chose ([n, k], sorted)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    router_logits: dict[int, np.ndarray] = {}
+    logits = forward(config, load_weights(model_dir), seq, None, router_logits=router_logits)
+    k = int(config.get("num_experts_per_tok", 0))
+    return logits, {
+        layer: np.sort(np.argsort(-r, axis=1)[:, :k], axis=1) for layer, r in router_logits.items()
+    }
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_routing_is_decisive_and_varied(
+    models: dict[tuple[str, str], Path], family: str
+) -> None:
+    # The tiny models' routers must make the engine's expert choice matter and be unambiguous:
+    # every expert serves somewhere, and no position sits near a tie between the second and
+    # third experts (which float32 rounding could break either way). Measured on SEQ (router std
+    # 0.375): each expert fills 2..62 of a layer's 200 slots; the second and third experts'
+    # logits differ by 0.0069 at least (qwen3_moe layer 2; mixtral 0.031), 0.09 at the 5th
+    # percentile; the second expert's renormalized weight has a median of 0.19..0.32.
+    d = models[family, "f32"]
+    config = json.loads((d / "config.json").read_text())
+    router_logits: dict[int, np.ndarray] = {}
+    forward(config, load_weights(d), SEQ, None, router_logits=router_logits)
+    assert sorted(router_logits) == ([0, 2] if family == "qwen3_moe" else [0, 1])
+    for logits in router_logits.values():
+        assert logits.shape == (len(SEQ), 8)
+        top = -np.sort(-logits, axis=1)
+        chosen = np.argsort(-logits, axis=1)[:, :2]
+        assert np.bincount(chosen.ravel(), minlength=8).min() >= 2
+        assert (top[:, 1] - top[:, 2]).min() > 5e-3
+        assert np.percentile(top[:, 1] - top[:, 2], 5) > 0.05
+        second = 1.0 / (1.0 + np.exp(top[:, 0] - top[:, 1]))  # its weight once renormalized
+        assert np.median(second) > 0.1
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_routing_matters(
+    models: dict[tuple[str, str], Path], f32_logits: dict[str, np.ndarray], family: str
+) -> None:
+    # Routers drawn again (same std, another seed) send the positions to other experts: the
+    # argmax moves at many positions (measured 55 and 64 of 100), so an engine that routes
+    # wrongly cannot pass the argmax tests of bf16 models.
+    d = models[family, "f32"]
+    config = json.loads((d / "config.json").read_text())
+    raw = load_weights(d)
+    rng = np.random.default_rng(99)
+    routers = [k for k in raw if k.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+    assert len(routers) == 2
+    for name in routers:
+        raw[name] = rng.standard_normal(raw[name].shape) * 0.375
+    other = forward(config, raw, SEQ, None)
+    assert (other.argmax(1) != f32_logits[family].argmax(1)).sum() >= 30
+
+
+def test_qwen3_moe_norm_topk_prob(tmp_path: Path, f32_logits: dict[str, np.ndarray]) -> None:
+    # Without norm_topk_prob the two experts weigh their softmax probabilities over all 8
+    # (about 0.9 together here) instead of summing to 1: the logits move by 6% of their range.
+    plain = f32_logits["qwen3_moe"]
+    off = reference_logits(make_model(tmp_path / "off", "qwen3_moe", norm_topk_prob=False), SEQ)
+    assert np.abs(off - plain).max() > 0.02 * (plain.max() - plain.min())
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_of_identical_experts_is_one_mlp(
+    models: dict[tuple[str, str], Path], family: str
+) -> None:
+    # With every expert a copy of expert 0 and the chosen experts' weights summing to 1
+    # (renormalized), routing cannot matter: each MoE layer is that expert as a dense MLP. The
+    # dense model is the same tensors under dense names: Mixtral's w1/w3/w2 as Mistral's
+    # gate/up/down projections, a Qwen3-MoE with every layer in mlp_only_layers.
+    d = models[family, "f32"]
+    config = json.loads((d / "config.json").read_text())
+    raw = load_weights(d)
+    if family == "mixtral":
+        block, names = "block_sparse_moe.", ("w1", "w3", "w2")
+        dense_config = {**config, "model_type": "mistral"}
+    else:
+        block, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+        dense_config = {**config, "mlp_only_layers": [0, 1, 2]}
+    dense = dict(raw)
+    for layer in [0, 1] if family == "mixtral" else [0, 2]:
+        p = f"model.layers.{layer}."
+        for name, dense_name in zip(names, ("gate_proj", "up_proj", "down_proj"), strict=True):
+            first = raw[f"{p}{block}experts.0.{name}.weight"]
+            for e in range(1, 8):
+                raw[f"{p}{block}experts.{e}.{name}.weight"] = first
+            dense[f"{p}mlp.{dense_name}.weight"] = first
+    np.testing.assert_allclose(
+        forward(config, raw, SEQ, None), forward(dense_config, dense, SEQ, None), rtol=0, atol=1e-12
+    )
+
+
+def test_qwen3_moe_sparse_layer_rule(tmp_path: Path) -> None:
+    # transformers' rule: experts where (layer + 1) % decoder_sparse_step == 0, unless the layer
+    # is in mlp_only_layers; dense MLPs (intermediate_size wide) elsewhere.
+    for overrides, sparse in (
+        ({"decoder_sparse_step": 2, "mlp_only_layers": []}, [1]),
+        ({"decoder_sparse_step": 1, "mlp_only_layers": []}, [0, 1, 2]),
+        ({"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}, [1]),
+    ):
+        d = make_model(
+            tmp_path / f"m{sparse}{overrides['decoder_sparse_step']}", "qwen3_moe", **overrides
+        )
+        config = json.loads((d / "config.json").read_text())
+        header = header_tensors(d / "model.safetensors")
+        assert {k: v["shape"] for k, v in header.items()} == expected_shapes(config)
+        assert (
+            sorted(int(k.split(".")[2]) for k in header if k.endswith("mlp.gate.weight")) == sparse
+        )
+        logits, routes = routed_logits(d, SEQ[:20])
+        assert sorted(routes) == sparse and np.isfinite(logits).all()
+
+
+def test_moe_presets() -> None:
+    # qwen3-moe-1b: 1.02B parameters, 0.34B of them used per token (two experts of eight);
+    # qwen3-dense-0.3b: the same shape with one dense MLP doing the same work per token.
+    moe = build_config("qwen3_moe", "qwen3-moe-1b", "bf16")
+    dense = build_config("qwen3", "qwen3-dense-0.3b", "bf16")
+    shape = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    for config in (moe, dense):
+        assert [config[k] for k in shape] == [1024, 24, 16, 4]
+        assert config["head_dim"] == 64 and config["vocab_size"] == 49152
+        assert config["tie_word_embeddings"] and config["max_position_embeddings"] == 8192
+    assert [moe[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")] == [
+        8,
+        2,
+        1536,
+    ]
+    assert moe["decoder_sparse_step"] == 1 and moe["mlp_only_layers"] == []
+    assert dense["intermediate_size"] == 3072
+    moe_shapes = expected_shapes(moe)
+    total = sum(int(np.prod(s)) for s in moe_shapes.values())
+    unused = sum(int(np.prod(s)) for k, s in moe_shapes.items() if ".experts." in k) * 6 // 8
+    dense_total = sum(int(np.prod(s)) for s in expected_shapes(dense).values())
+    assert total == 1_019_465_728 and total - unused == 339_988_480
+    # The dense model lacks only the routers (24 x 8 x 1024).
+    assert dense_total == total - unused - 24 * 8 * 1024
+    # The generator writes those names and shapes (one layer, to keep it quick).
+    one = build_config("qwen3_moe", "qwen3-moe-1b", "bf16", num_hidden_layers=1)
+    weights = make_weights(one)
+    assert {k: list(v.shape) for k, v in weights.items()} == expected_shapes(one)
+    # The presets are their families' only.
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        build_config("llama", "qwen3-moe-1b")
+    with pytest.raises(ValueError, match="qwen3"):
+        build_config("qwen3_moe", "qwen3-dense-0.3b")

@@ -16,7 +16,7 @@ from strata_rs import Engine, InvalidRequest
 pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
 NGRAM: dict[str, Any] = {
     "speculative": "ngram",
     "num_speculative_tokens": 4,

@@ -86,8 +86,24 @@ def _parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-model", help="write a random-weight model folder (for tests, demos)")
     m.add_argument("out", type=Path, help="folder to write")
-    m.add_argument("--family", choices=("llama", "mistral", "qwen2", "qwen3"), default="llama")
-    m.add_argument("--preset", choices=("tiny", "smollm-135m", "llama-1b"), default="tiny")
+    m.add_argument(
+        "--family",
+        choices=("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"),
+        default=None,
+        help="default: the preset's (llama for the generic ones)",
+    )
+    m.add_argument(
+        "--preset",
+        choices=(
+            "tiny",
+            "smollm-135m",
+            "llama-1b",
+            "qwen3-moe-1b",
+            "qwen3-dense-0.3b",
+            "gemma3-1b",
+        ),
+        default="tiny",
+    )
     m.add_argument("--dtype", choices=("f32", "bf16", "f16"), default="f32")
     m.add_argument("--seed", type=int, default=0)
 
@@ -356,6 +372,13 @@ def _parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, how long in-flight requests may take to finish (default 30)",
     )
     s.add_argument(
+        "--keep-alive-seconds",
+        type=float,
+        default=None,
+        help="how long an idle kept-alive connection stays open; keep it longer than the "
+        "clients' and proxies' idle timeouts (default 75)",
+    )
+    s.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -530,10 +553,15 @@ def _chat(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "make-model":
-        from strata_rs.testing.models import make_model
+        from strata_rs.testing.models import make_model, preset_family
 
-        out = make_model(args.out, args.family, args.preset, args.dtype, args.seed)
-        print(f"wrote {args.family} {args.preset} ({args.dtype}) to {out}")
+        family = args.family or preset_family(args.preset)
+        try:
+            out = make_model(args.out, family, args.preset, args.dtype, args.seed)
+        except ValueError as e:
+            print(f"strata-rs make-model: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {family} {args.preset} ({args.dtype}) to {out}")
         return 0
 
     if args.command == "serve":
@@ -772,6 +800,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         grace_seconds=args.grace_seconds,
+        keep_alive_seconds=args.keep_alive_seconds,
         log_level=args.log_level,
         served_model_name=args.served_model_name,
         log_prompts=args.log_prompts,

@@ -23,7 +23,7 @@ use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::kernels::cpu::matmul_bf16dot;
-use crate::model::kernels::cpu::quant::{interleave, QuantType};
+use crate::model::kernels::cpu::quant::QuantType;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::DType;
 use crate::model::{Model, ModelSource};
@@ -420,11 +420,14 @@ impl Engine {
                 );
             }
         }
-        // The CPU's AVX2 and AVX-512 kernels read Q4_K and Q6_K fastest interleaved by groups
-        // of 16 rows (the same blocks and bytes, copied out of the map once).
-        if !matches!(opts.device, Device::Cuda(_)) && interleave::wanted() {
+        // The CPU's AVX2 and AVX-512 kernels read some quantized types fastest interleaved by
+        // groups of 16 rows (the same blocks and bytes, copied out of the map once):
+        // `interleave::wanted` says which.
+        if !matches!(opts.device, Device::Cuda(_)) {
             let n = model.interleave_for_cpu();
-            log::info!("{n} Q4_K/Q6_K matrices interleaved for the CPU kernels");
+            if n > 0 {
+                log::info!("{n} quantized matrices interleaved for the CPU kernels");
+            }
         }
         // Only where it changes something (the fingerprint keys the disk cache on it).
         model.bf16_dot = opts.bf16_dot

@@ -144,7 +144,7 @@ impl ModelRunner {
             let w = Workspace::new(&model, max_batch_tokens, threads);
             let workspace = stage
                 .memory
-                .reserve(Purpose::Workspace, (w.bytes() + model.rope.bytes()) as u64)
+                .reserve(Purpose::Workspace, (w.bytes() + model.rope_bytes()) as u64)
                 .map_err(|r| refused("max_batch_tokens", r))?;
             ws.push(w);
             memory.push(RunnerMemory {

@@ -1,4 +1,5 @@
-//! config.json -> ModelConfig, for the Llama family (llama, mistral, qwen2, qwen3).
+//! config.json -> ModelConfig, for the Llama family (llama, mistral, qwen2, qwen3), Gemma 3 and
+//! the mixture-of-experts families Qwen3-MoE and Mixtral.
 
 use std::path::Path;
 
@@ -13,6 +14,11 @@ pub enum Family {
     Mistral,
     Qwen2,
     Qwen3,
+    Gemma3,
+    /// Qwen3's attention with mixture-of-experts MLPs.
+    Qwen3Moe,
+    /// Mistral's attention with mixture-of-experts MLPs.
+    Mixtral,
 }
 
 impl Family {
@@ -22,8 +28,51 @@ impl Family {
             Family::Mistral => "mistral",
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
+            Family::Gemma3 => "gemma3",
+            Family::Qwen3Moe => "qwen3_moe",
+            Family::Mixtral => "mixtral",
         }
     }
+}
+
+/// The MLP's gate activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU (the Llama family).
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// The experts of a mixture-of-experts model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// The k experts each token is routed to.
+    pub experts_per_token: usize,
+    /// Each expert's MLP width.
+    pub expert_intermediate_size: usize,
+    /// Whether the k routing weights are renormalized to sum to 1 (Mixtral always; Qwen3-MoE
+    /// when `norm_topk_prob`).
+    pub renormalize: bool,
+    /// Per layer: experts (true) or the dense MLP of `intermediate_size` (Qwen3-MoE's
+    /// `mlp_only_layers` and `decoder_sparse_step`).
+    pub sparse_layers: Vec<bool>,
+}
+
+impl MoeConfig {
+    /// Whether `layer` routes to experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        self.sparse_layers[layer]
+    }
+}
+
+/// The RoPE of the sliding-window layers, where it differs from the others' (Gemma 3: another
+/// base, no scaling).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalRope {
+    pub theta: f64,
+    pub scaling: RopeScaling,
 }
 
 #[derive(Clone, Debug)]
@@ -57,7 +106,24 @@ pub struct ModelConfig {
     /// Per layer: does the sliding window apply? (Qwen: only from `max_window_layers` on, or as
     /// `layer_types` says.)
     pub sliding_layers: Vec<bool>,
+    pub activation: Activation,
+    /// Gemma: each token's embedding is multiplied by this (sqrt(hidden_size)).
+    pub embed_scale: Option<f32>,
+    /// Gemma: an RMSNorm on the attention's output and one on the MLP's, before each is added
+    /// to the residual stream (four norms a layer).
+    pub post_norms: bool,
+    /// Attention scores are scaled by 1/sqrt(this): head_dim, or Gemma's `query_pre_attn_scalar`.
+    pub query_pre_attn_scalar: f32,
+    /// Gemma 2 style: logits become cap * tanh(logits / cap).
+    pub final_logit_softcap: Option<f32>,
+    /// The sliding layers' own RoPE, if they have one.
+    pub local_rope: Option<LocalRope>,
+    /// Mixture of experts (qwen3_moe, mixtral).
+    pub moe: Option<MoeConfig>,
 }
+
+/// The `model_type`s read.
+const SUPPORTED_TYPES: &str = "llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral";
 
 /// Bounds no real model comes near. Past them, sizes computed from config.json before the weights
 /// are checked against it (per-layer lists, heads x head_dim) would overflow or allocate without
@@ -66,6 +132,8 @@ pub const MAX_LAYERS: usize = 4096;
 pub const MAX_HEADS: usize = 1 << 16;
 /// Token ids are 32-bit.
 pub const MAX_VOCAB: usize = 1 << 32;
+/// More experts than any model has (DeepSeek-V3 and Kimi K2: 256 and 384).
+pub const MAX_EXPERTS: usize = 4096;
 
 /// Reads one JSON field with a clear error naming the file and the field.
 struct Fields<'a> {
@@ -157,15 +225,24 @@ impl ModelConfig {
             "mistral" => Family::Mistral,
             "qwen2" => Family::Qwen2,
             "qwen3" => Family::Qwen3,
+            "gemma3_text" => Family::Gemma3,
+            "qwen3_moe" => Family::Qwen3Moe,
+            "mixtral" => Family::Mixtral,
+            "gemma3" => {
+                return Err(f.err(
+                    "model_type",
+                    "\"gemma3\" is Gemma 3's vision-language folder, not supported yet; its \
+                     text-only models (gemma3_text, e.g. gemma-3-270m and gemma-3-1b) are",
+                ))
+            }
             other => {
                 return Err(f.err(
                     "model_type",
-                    format!(
-                    "unsupported model type {other:?} (supported: llama, mistral, qwen2, qwen3)"
-                ),
+                    format!("unsupported model type {other:?} (supported: {SUPPORTED_TYPES})"),
                 ))
             }
         };
+        let gemma = family == Family::Gemma3;
 
         let hidden_size = f.positive("hidden_size")?;
         let num_heads = f.at_most(
@@ -182,6 +259,8 @@ impl ModelConfig {
         }
         let head_dim = match f.usize_opt("head_dim")? {
             Some(d) => d,
+            // Gemma 3's default (transformers' Gemma3TextConfig).
+            None if gemma => 256,
             None => {
                 if hidden_size % num_heads != 0 {
                     return Err(f.err(
@@ -205,20 +284,27 @@ impl ModelConfig {
             ));
         }
 
-        // transformers 5 moves rope_theta and the scaling into `rope_parameters`.
+        // transformers 5 moves rope_theta and the scaling into `rope_parameters`, and keys them
+        // by layer type for Gemma 3 (its sliding layers have a RoPE of their own).
         let rope_params = match f.opt("rope_parameters") {
             None => None,
             Some(Value::Object(m)) => Some(m),
             Some(_) => return Err(f.err("rope_parameters", "expected an object")),
         };
+        let (rope_params, rope_params_field, local_params) = match rope_params {
+            Some(m) if m.contains_key("full_attention") => (
+                Some(object(&f, m, "rope_parameters", "full_attention")?),
+                "rope_parameters.full_attention",
+                m.get("sliding_attention")
+                    .map(|_| object(&f, m, "rope_parameters", "sliding_attention"))
+                    .transpose()?,
+            ),
+            other => (other, "rope_parameters", None),
+        };
+        let default_theta = if gemma { 1_000_000.0 } else { 10000.0 };
         let rope_theta = match f.f64_opt("rope_theta")? {
             Some(t) => t,
-            None => match rope_params.and_then(|m| m.get("rope_theta")) {
-                Some(v) => v
-                    .as_f64()
-                    .ok_or_else(|| f.err("rope_parameters.rope_theta", "expected a number"))?,
-                None => 10000.0,
-            },
+            None => theta_in(&f, rope_params, rope_params_field)?.unwrap_or(default_theta),
         };
         if rope_theta <= 0.0 {
             return Err(f.err("rope_theta", "must be > 0"));
@@ -226,6 +312,7 @@ impl ModelConfig {
         let max_position_embeddings = match f.usize_opt("max_position_embeddings")? {
             Some(0) => return Err(f.err("max_position_embeddings", "must be > 0")),
             Some(n) => n,
+            None if gemma => 131072,
             None => 2048,
         };
         let rope_scaling = match f.opt("rope_scaling") {
@@ -234,9 +321,28 @@ impl ModelConfig {
             }
             Some(_) => return Err(f.err("rope_scaling", "expected an object or null")),
             None => match rope_params {
-                Some(m) => parse_rope_scaling(&f, "rope_parameters", m, max_position_embeddings)?,
+                Some(m) => parse_rope_scaling(&f, rope_params_field, m, max_position_embeddings)?,
                 None => RopeScaling::None,
             },
+        };
+        // Gemma 3's sliding layers: `rope_local_base_freq` (transformers 4), or their own entry
+        // of `rope_parameters` (5); never scaled in the first form.
+        let local_rope = if gemma {
+            let field = "rope_parameters.sliding_attention";
+            let theta = match f.f64_opt("rope_local_base_freq")? {
+                Some(t) => t,
+                None => theta_in(&f, local_params, field)?.unwrap_or(10000.0),
+            };
+            if theta <= 0.0 {
+                return Err(f.err("rope_local_base_freq", "must be > 0"));
+            }
+            let scaling = match local_params {
+                Some(m) => parse_rope_scaling(&f, field, m, max_position_embeddings)?,
+                None => RopeScaling::None,
+            };
+            Some(LocalRope { theta, scaling })
+        } else {
+            None
         };
         let max_position_embeddings = rope_scaling.context(max_position_embeddings);
 
@@ -253,8 +359,11 @@ impl ModelConfig {
             return Err(f.err("mlp_bias", "MLP biases are not supported"));
         }
         let sliding_window = match family {
-            Family::Mistral => f.usize_opt("sliding_window")?,
-            Family::Qwen2 | Family::Qwen3 if f.bool_opt("use_sliding_window")?.unwrap_or(false) => {
+            Family::Mistral | Family::Mixtral => f.usize_opt("sliding_window")?,
+            Family::Gemma3 => Some(f.usize_opt("sliding_window")?.unwrap_or(4096)),
+            Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
+                if f.bool_opt("use_sliding_window")?.unwrap_or(false) =>
+            {
                 f.usize_opt("sliding_window")?
             }
             _ => None,
@@ -279,8 +388,15 @@ impl ModelConfig {
                     .collect()
             }
             Some(_) => return Err(f.err("layer_types", "expected a list")),
+            // Older Gemma 3 configs: every `sliding_window_pattern`-th layer is global.
+            None if gemma => {
+                let pattern = f.usize_opt("sliding_window_pattern")?.unwrap_or(6).max(1);
+                (0..num_layers).map(|l| (l + 1) % pattern != 0).collect()
+            }
             None => {
                 let first = match family {
+                    // Qwen3-MoE slides every layer (transformers never reads its
+                    // max_window_layers).
                     Family::Qwen2 | Family::Qwen3 => f.usize_opt("max_window_layers")?.unwrap_or(0),
                     _ => 0,
                 };
@@ -292,6 +408,36 @@ impl ModelConfig {
         if eps <= 0.0 {
             return Err(f.err("rms_norm_eps", "must be > 0"));
         }
+        let activation = if gemma {
+            let field = if f.opt("hidden_activation").is_some() {
+                "hidden_activation"
+            } else {
+                "hidden_act"
+            };
+            match f.opt(field).and_then(Value::as_str) {
+                None | Some("gelu_pytorch_tanh") => Activation::GeluTanh,
+                Some(other) => {
+                    return Err(f.err(
+                        field,
+                        format!("unsupported activation {other:?} (supported: gelu_pytorch_tanh)"),
+                    ))
+                }
+            }
+        } else {
+            Activation::Silu
+        };
+        let query_pre_attn_scalar = match (gemma, f.f64_opt("query_pre_attn_scalar")?) {
+            (false, _) => head_dim as f32,
+            (true, None) => 256.0,
+            (true, Some(x)) if x > 0.0 => x as f32,
+            (true, Some(_)) => return Err(f.err("query_pre_attn_scalar", "must be > 0")),
+        };
+        // `attn_logit_softcapping` (Gemma 2's) is read by transformers' Gemma 3 but never applied:
+        // ignored here too.
+        let final_logit_softcap = match f.f64_opt("final_logit_softcapping")? {
+            Some(cap) if cap <= 0.0 => return Err(f.err("final_logit_softcapping", "must be > 0")),
+            cap => cap.map(|c| c as f32),
+        };
         Ok(ModelConfig {
             family,
             hidden_size,
@@ -306,12 +452,19 @@ impl ModelConfig {
             rope_scaling,
             rope_pairing: RopePairing::Half,
             max_position_embeddings,
-            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias,
             o_bias,
-            qk_norm: family == Family::Qwen3,
+            qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
             sliding_window: sliding_window.filter(|&w| w > 0),
             sliding_layers,
+            activation,
+            embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
+            post_norms: gemma,
+            query_pre_attn_scalar,
+            final_logit_softcap,
+            local_rope,
+            moe: parse_moe(&f, family, num_layers)?,
         })
     }
 
@@ -320,12 +473,94 @@ impl ModelConfig {
         self.sliding_window.filter(|_| self.sliding_layers[layer])
     }
 
+    /// The factor of the attention scores.
+    pub fn attention_scale(&self) -> f32 {
+        1.0 / self.query_pre_attn_scalar.sqrt()
+    }
+
+    /// Whether `layer` uses the sliding layers' own RoPE.
+    pub fn local_rope_at(&self, layer: usize) -> bool {
+        self.local_rope.is_some() && self.sliding_layers[layer]
+    }
+
+    /// The widest MLP of a layer: the dense one's, or an expert's.
+    pub fn mlp_width(&self) -> usize {
+        let expert = self.moe.as_ref().map_or(0, |m| m.expert_intermediate_size);
+        self.intermediate_size.max(expert)
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_heads * self.head_dim
     }
 
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+}
+
+/// The experts of a qwen3_moe or mixtral config (None for the dense families).
+fn parse_moe(f: &Fields, family: Family, num_layers: usize) -> Result<Option<MoeConfig>> {
+    let (experts_field, width_field) = match family {
+        Family::Qwen3Moe => ("num_experts", "moe_intermediate_size"),
+        Family::Mixtral => ("num_local_experts", "intermediate_size"),
+        _ => return Ok(None),
+    };
+    let num_experts = f.at_most(experts_field, f.positive(experts_field)?, MAX_EXPERTS)?;
+    let experts_per_token = f.positive("num_experts_per_tok")?;
+    if experts_per_token > num_experts {
+        return Err(f.err(
+            "num_experts_per_tok",
+            format!("{experts_per_token} is more than {experts_field} {num_experts}"),
+        ));
+    }
+    let sparse_layers = if family == Family::Qwen3Moe {
+        let step = f.usize_opt("decoder_sparse_step")?.unwrap_or(1);
+        let dense: Vec<usize> = match f.opt("mlp_only_layers") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as usize))
+                .collect::<Option<_>>()
+                .ok_or_else(|| f.err("mlp_only_layers", "expected a list of layer indices"))?,
+            Some(_) => return Err(f.err("mlp_only_layers", "expected a list of layer indices")),
+        };
+        // transformers' Qwen3MoeDecoderLayer: experts unless the layer is listed, or off the step.
+        (0..num_layers)
+            .map(|l| !dense.contains(&l) && step > 0 && (l + 1) % step == 0)
+            .collect()
+    } else {
+        vec![true; num_layers]
+    };
+    Ok(Some(MoeConfig {
+        num_experts,
+        experts_per_token,
+        expert_intermediate_size: f.positive(width_field)?,
+        renormalize: family == Family::Mixtral || f.bool_opt("norm_topk_prob")?.unwrap_or(false),
+        sparse_layers,
+    }))
+}
+
+/// `parent.key`, which must be an object.
+fn object<'a>(
+    f: &Fields,
+    parent: &'a Map<String, Value>,
+    parent_field: &str,
+    key: &str,
+) -> Result<&'a Map<String, Value>> {
+    parent
+        .get(key)
+        .and_then(Value::as_object)
+        .ok_or_else(|| f.err(&format!("{parent_field}.{key}"), "expected an object"))
+}
+
+/// The `rope_theta` of a `rope_parameters` object (`field`), if it has one.
+fn theta_in(f: &Fields, m: Option<&Map<String, Value>>, field: &str) -> Result<Option<f64>> {
+    match m.and_then(|m| m.get("rope_theta")) {
+        None => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| f.err(&format!("{field}.rope_theta"), "expected a number")),
     }
 }
 
@@ -541,11 +776,154 @@ mod tests {
     }
 
     #[test]
+    fn gemma3_reads_both_rope_forms_and_its_layer_types() {
+        // transformers 4: rope_local_base_freq beside the global theta and scaling; the old
+        // sliding_window_pattern (every 6th layer global).
+        let c = parse(&format!(
+            r#"{{"model_type": "gemma3_text", {BASE}, "num_hidden_layers": 7, "head_dim": 32,
+                "query_pre_attn_scalar": 24, "sliding_window": 8, "sliding_window_pattern": 6,
+                "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "rope_scaling": {{"rope_type": "linear", "factor": 8.0}},
+                "final_logit_softcapping": 30.0, "attn_logit_softcapping": null,
+                "hidden_activation": "gelu_pytorch_tanh"}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.family, Family::Gemma3);
+        assert_eq!(
+            (0..7).map(|l| c.window(l)).collect::<Vec<_>>(),
+            [Some(8), Some(8), Some(8), Some(8), Some(8), None, Some(8)]
+        );
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(
+            c.local_rope,
+            Some(LocalRope {
+                theta: 10000.0,
+                scaling: RopeScaling::None
+            })
+        );
+        assert!(c.local_rope_at(0) && !c.local_rope_at(5));
+        assert_eq!(c.attention_scale(), 1.0 / 24f32.sqrt());
+        assert_eq!(c.embed_scale, Some(8.0));
+        assert_eq!(c.final_logit_softcap, Some(30.0));
+        assert_eq!(c.activation, Activation::GeluTanh);
+        assert!(c.qk_norm && c.post_norms && c.tie_word_embeddings && !c.qkv_bias);
+
+        // transformers 5: one rope_parameters entry per layer type, and layer_types.
+        let c = parse(&format!(
+            r#"{{"model_type": "gemma3_text", {BASE}, "head_dim": 32, "sliding_window": 8,
+                "layer_types": ["full_attention", "sliding_attention"],
+                "rope_parameters": {{
+                    "full_attention": {{"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}},
+                    "sliding_attention": {{"rope_type": "default", "rope_theta": 10000.0}}}}}}"#
+        ))
+        .unwrap();
+        assert_eq!((c.window(0), c.window(1)), (None, Some(8)));
+        assert_eq!(
+            (c.rope_theta, &c.rope_scaling),
+            (1e6, &RopeScaling::Linear { factor: 8.0 })
+        );
+        assert_eq!(c.local_rope.as_ref().map(|l| l.theta), Some(10000.0));
+        // Gemma 3's defaults where a config is silent.
+        assert_eq!(c.attention_scale(), 1.0 / 16.0);
+        assert_eq!(c.final_logit_softcap, None);
+        let llama = parse(&format!(r#"{{"model_type": "llama", {BASE}}}"#)).unwrap();
+        assert_eq!(llama.attention_scale(), 1.0 / 4.0);
+        assert!(llama.local_rope.is_none() && llama.embed_scale.is_none() && !llama.post_norms);
+        assert_eq!(llama.activation, Activation::Silu);
+    }
+
+    #[test]
+    fn mixtures_of_experts() {
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen3_moe", {BASE}, "num_hidden_layers": 4, "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [1]}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.family, Family::Qwen3Moe);
+        assert!(c.qk_norm);
+        assert_eq!(
+            c.moe,
+            Some(MoeConfig {
+                num_experts: 8,
+                experts_per_token: 2,
+                expert_intermediate_size: 32,
+                renormalize: true,
+                sparse_layers: vec![true, false, true, true],
+            })
+        );
+        assert_eq!(c.mlp_width(), 128);
+        // decoder_sparse_step 2: every second layer; norm_topk_prob defaults to false.
+        let c = parse(&format!(
+            r#"{{"model_type": "qwen3_moe", {BASE}, "num_hidden_layers": 4, "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 256, "decoder_sparse_step": 2}}"#
+        ))
+        .unwrap();
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(moe.sparse_layers, [false, true, false, true]);
+        assert!(!moe.renormalize);
+        assert_eq!(c.mlp_width(), 256);
+        // Mixtral: every layer, always renormalized, the experts' width is intermediate_size.
+        let c = parse(&format!(
+            r#"{{"model_type": "mixtral", {BASE}, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "sliding_window": null}}"#
+        ))
+        .unwrap();
+        let moe = c.moe.as_ref().unwrap();
+        assert_eq!(
+            (
+                moe.renormalize,
+                moe.expert_intermediate_size,
+                &moe.sparse_layers[..]
+            ),
+            (true, 128, &[true, true][..])
+        );
+        assert!(!c.qk_norm && c.sliding_window.is_none());
+        for (extra, want) in [
+            (
+                r#""num_local_experts": 2, "num_experts_per_tok": 3"#,
+                "num_experts_per_tok: 3 is more than num_local_experts 2",
+            ),
+            (r#""num_experts_per_tok": 2"#, "num_local_experts: missing"),
+        ] {
+            let e = parse(&format!(r#"{{"model_type": "mixtral", {BASE}, {extra}}}"#)).unwrap_err();
+            assert_eq!(e.to_string(), format!("m/config.json: {want}"));
+        }
+    }
+
+    #[test]
+    fn gemma3_refusals_name_the_field() {
+        for (extra, want) in [
+            (
+                r#""hidden_activation": "gelu""#,
+                "hidden_activation: unsupported activation \"gelu\" (supported: gelu_pytorch_tanh)",
+            ),
+            (
+                r#""rope_parameters": {"full_attention": 3}"#,
+                "rope_parameters.full_attention: expected an object",
+            ),
+        ] {
+            let e = parse(&format!(
+                r#"{{"model_type": "gemma3_text", {BASE}, {extra}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.to_string(), format!("m/config.json: {want}"));
+        }
+        let e = parse(&format!(r#"{{"model_type": "gemma3", {BASE}}}"#)).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("m/config.json: model_type: \"gemma3\" is Gemma 3's vision-language"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn errors_name_file_and_field() {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "m/config.json: model_type: unsupported model type \"gpt2\" (supported: llama, mistral, qwen2, qwen3)"
+            "m/config.json: model_type: unsupported model type \"gpt2\" (supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral)"
         );
         let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
         assert_eq!(e.to_string(), "m/config.json: num_attention_heads: missing");

@@ -6,12 +6,15 @@
 
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::BlockPool;
+use crate::model::config::{Activation, MoeConfig};
 use crate::model::kernels::cpu::attention::{paged_attention, AttnRow, AttnScratch};
 use crate::model::kernels::cpu::embedding::embed;
+use crate::model::kernels::cpu::geglu::gelu_tanh_mul;
 use crate::model::kernels::cpu::matmul::{linear, linear_group, LinearOut, MatmulScratch};
 use crate::model::kernels::cpu::rmsnorm::{rmsnorm, rmsnorm_inplace};
+use crate::model::kernels::cpu::router::{route, Route};
 use crate::model::kernels::cpu::swiglu::silu_mul;
-use crate::model::Model;
+use crate::model::{ExpertWeights, Mlp, MlpWeights, Model};
 
 /// Which positions of a chunk need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +34,43 @@ pub struct SeqChunk<'a> {
     pub logits: LogitsWanted,
 }
 
+/// What a mixture-of-experts MLP needs beyond a dense one's, for `t` tokens.
+#[derive(Default)]
+struct ExpertBuffers {
+    /// Router logits, `[t, num_experts]`.
+    logits: Vec<f32>,
+    /// Each token's k routes, `[t, k]`.
+    routes: Vec<Route>,
+    /// The (token, slot) indices routed to the expert at hand.
+    picked: Vec<usize>,
+    /// Those tokens' rows gathered, then the expert's output rows: `[t, hidden]` each.
+    rows_in: Vec<f32>,
+    rows_out: Vec<f32>,
+    /// Each (token, slot)'s expert output, `[t, k, hidden]`, summed per token in slot order.
+    outputs: Vec<f32>,
+}
+
+impl ExpertBuffers {
+    fn new(moe: &MoeConfig, t: usize, hidden: usize) -> ExpertBuffers {
+        let k = moe.experts_per_token;
+        ExpertBuffers {
+            logits: vec![0.0; t * moe.num_experts],
+            routes: vec![Route::default(); t * k],
+            picked: Vec::with_capacity(t * k),
+            rows_in: vec![0.0; t * hidden],
+            rows_out: vec![0.0; t * hidden],
+            outputs: vec![0.0; t * k * hidden],
+        }
+    }
+
+    fn floats(&self) -> usize {
+        self.logits.capacity()
+            + self.rows_in.capacity()
+            + self.rows_out.capacity()
+            + self.outputs.capacity()
+    }
+}
+
 /// Every activation buffer of a step, allocated once.
 pub struct Workspace {
     max_tokens: usize,
@@ -42,6 +82,8 @@ pub struct Workspace {
     attn: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// Mixture-of-experts models' buffers (empty for dense ones).
+    moe: ExpertBuffers,
     /// Final-normed hidden rows of the positions that want logits.
     picked: Vec<f32>,
     rows: Vec<AttnRow>,
@@ -63,8 +105,13 @@ impl Workspace {
             k: vec![0.0; t * c.kv_dim()],
             v: vec![0.0; t * c.kv_dim()],
             attn: vec![0.0; t * c.q_dim()],
-            gate: vec![0.0; t * c.intermediate_size],
-            up: vec![0.0; t * c.intermediate_size],
+            gate: vec![0.0; t * c.mlp_width()],
+            up: vec![0.0; t * c.mlp_width()],
+            moe: c
+                .moe
+                .as_ref()
+                .map(|m| ExpertBuffers::new(m, t, c.hidden_size))
+                .unwrap_or_default(),
             picked: vec![0.0; t * c.hidden_size],
             rows: Vec::with_capacity(t),
             // A capacity hint from the context served (the RoPE table's), not config.json's
@@ -72,11 +119,8 @@ impl Workspace {
             tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
             slots: Vec::with_capacity(t),
             matmul: {
-                let mut m = MatmulScratch::new(
-                    threads,
-                    c.hidden_size.max(c.q_dim()).max(c.intermediate_size),
-                    t,
-                );
+                let mut m =
+                    MatmulScratch::new(threads, c.hidden_size.max(c.q_dim()).max(c.mlp_width()), t);
                 if model.bf16_dot {
                     m.enable_bf16_dot(t);
                 }
@@ -108,7 +152,9 @@ impl Workspace {
         .iter()
         .map(|b| b.capacity())
         .sum();
-        floats * size_of::<f32>()
+        (floats + self.moe.floats()) * size_of::<f32>()
+            + self.moe.routes.capacity() * size_of::<Route>()
+            + self.moe.picked.capacity() * size_of::<usize>()
             + self.rows.capacity() * size_of::<AttnRow>()
             + self.tables.capacity() * size_of::<u32>()
             + self.slots.capacity() * size_of::<usize>()
@@ -248,11 +294,11 @@ impl Model {
                     ),
                 ));
             }
-            embed(
-                self.embed.matrix(),
-                tok,
-                &mut x[t * hidden..(t + 1) * hidden],
-            );
+            let row = &mut x[t * hidden..(t + 1) * hidden];
+            embed(self.embed.matrix(), tok, row);
+            if let Some(scale) = c.embed_scale {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
         }
         Ok(())
     }
@@ -266,19 +312,19 @@ impl Model {
         n: usize,
     ) {
         let c = &self.config;
-        let (hidden, q_dim, kv_dim, inter) =
-            (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
+        let (hidden, q_dim, kv_dim) = (c.hidden_size, c.q_dim(), c.kv_dim());
         let x = &mut ws.x[..n * hidden];
         let xn = &mut ws.xn[..n * hidden];
         let q = &mut ws.q[..n * q_dim];
         let k = &mut ws.k[..n * kv_dim];
         let v = &mut ws.v[..n * kv_dim];
         let attn = &mut ws.attn[..n * q_dim];
-        let gate = &mut ws.gate[..n * inter];
-        let up = &mut ws.up[..n * inter];
+        let gate = &mut ws.gate;
+        let up = &mut ws.up;
+        let moe_buffers = &mut ws.moe;
         let mm = &mut ws.matmul;
 
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let scale = c.attention_scale();
         for li in layers {
             let l = &self.layers[li];
             // Attention block.
@@ -305,12 +351,11 @@ impl Model {
                 rmsnorm_inplace(q, qn, c.rms_norm_eps);
                 rmsnorm_inplace(k, kn, c.rms_norm_eps);
             }
+            let rope = self.rope_at(li);
             for (t, row) in ws.rows.iter().enumerate() {
                 let pos = row.pos as usize;
-                self.rope
-                    .apply(&mut q[t * q_dim..(t + 1) * q_dim], c.num_heads, pos);
-                self.rope
-                    .apply(&mut k[t * kv_dim..(t + 1) * kv_dim], c.num_kv_heads, pos);
+                rope.apply(&mut q[t * q_dim..(t + 1) * q_dim], c.num_heads, pos);
+                rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], c.num_kv_heads, pos);
                 kv.write(
                     li,
                     ws.slots[t],
@@ -330,25 +375,23 @@ impl Model {
                 &mut ws.attention,
             );
             linear(attn, n, l.o_proj.matrix(), l.o_bias.as_deref(), xn, mm);
+            if let Some(w) = &l.post_attn_norm {
+                rmsnorm_inplace(xn, w, c.rms_norm_eps);
+            }
             add_in_place(x, xn);
 
-            // MLP block.
+            // MLP block: the result replaces the normed rows in `xn`.
             rmsnorm(x, &l.mlp_norm, c.rms_norm_eps, xn);
-            let gate_up = &mut [
-                LinearOut {
-                    w: l.gate_proj.matrix(),
-                    bias: None,
-                    y: &mut *gate,
-                },
-                LinearOut {
-                    w: l.up_proj.matrix(),
-                    bias: None,
-                    y: &mut *up,
-                },
-            ];
-            linear_group(xn, n, gate_up, mm);
-            silu_mul(gate, up);
-            linear(gate, n, l.down_proj.matrix(), None, xn, mm);
+            match (&l.mlp, &c.moe) {
+                (Mlp::Dense(d), _) => mlp(d, c.activation, xn, n, gate, up, mm),
+                (Mlp::Experts(e), Some(moe)) => {
+                    experts(e, moe, c.activation, xn, n, moe_buffers, gate, up, mm)
+                }
+                (Mlp::Experts(_), None) => unreachable!("experts without a mixture config"),
+            }
+            if let Some(w) = &l.post_mlp_norm {
+                rmsnorm_inplace(xn, w, c.rms_norm_eps);
+            }
             add_in_place(x, xn);
         }
     }
@@ -389,8 +432,106 @@ impl Model {
                 &mut out[..r * c.vocab_size],
                 mm,
             );
+            if let Some(cap) = c.final_logit_softcap {
+                for v in &mut out[..r * c.vocab_size] {
+                    *v = cap * (*v / cap).tanh();
+                }
+            }
         }
         r
+    }
+}
+
+/// The gated MLP of `n` rows of `xn`, written back into them; `gate` and `up` are scratch.
+fn mlp(
+    w: &MlpWeights,
+    activation: Activation,
+    xn: &mut [f32],
+    n: usize,
+    gate: &mut [f32],
+    up: &mut [f32],
+    mm: &mut MatmulScratch,
+) {
+    let width = w.gate_proj.shape[0];
+    let (gate, up) = (&mut gate[..n * width], &mut up[..n * width]);
+    let gate_up = &mut [
+        LinearOut {
+            w: w.gate_proj.matrix(),
+            bias: None,
+            y: &mut *gate,
+        },
+        LinearOut {
+            w: w.up_proj.matrix(),
+            bias: None,
+            y: &mut *up,
+        },
+    ];
+    linear_group(xn, n, gate_up, mm);
+    match activation {
+        Activation::Silu => silu_mul(gate, up),
+        Activation::GeluTanh => gelu_tanh_mul(gate, up),
+    }
+    linear(gate, n, w.down_proj.matrix(), None, xn, mm);
+}
+
+/// A mixture-of-experts MLP over `n` rows of `xn`, written back into them. Each row's router
+/// picks k experts; each expert runs once over the rows routed to it (gathered); a row's
+/// result is its k outputs, weighted, summed in its routes' order. A row's arithmetic does not
+/// depend on which rows share the step (the kernels' rows are independent), so the mixture
+/// keeps the forward pass batch-invariant.
+#[allow(clippy::too_many_arguments)]
+fn experts(
+    w: &ExpertWeights,
+    moe: &MoeConfig,
+    activation: Activation,
+    xn: &mut [f32],
+    n: usize,
+    b: &mut ExpertBuffers,
+    gate: &mut [f32],
+    up: &mut [f32],
+    mm: &mut MatmulScratch,
+) {
+    let (e, k) = (moe.num_experts, moe.experts_per_token);
+    let hidden = xn.len() / n;
+    let logits = &mut b.logits[..n * e];
+    linear(xn, n, w.router.matrix(), None, logits, mm);
+    let routes = &mut b.routes[..n * k];
+    for (row, out) in logits.chunks_exact(e).zip(routes.chunks_exact_mut(k)) {
+        route(row, moe.renormalize, out);
+    }
+    for (expert, weights) in w.experts.iter().enumerate() {
+        b.picked.clear();
+        b.picked.extend(
+            routes
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.expert as usize == expert)
+                .map(|(slot, _)| slot),
+        );
+        let m = b.picked.len();
+        if m == 0 {
+            continue;
+        }
+        let rows_in = &mut b.rows_in[..m * hidden];
+        for (dst, &slot) in rows_in.chunks_exact_mut(hidden).zip(&b.picked) {
+            let t = slot / k;
+            dst.copy_from_slice(&xn[t * hidden..(t + 1) * hidden]);
+        }
+        mlp(weights, activation, rows_in, m, gate, up, mm);
+        for (src, &slot) in rows_in.chunks_exact(hidden).zip(&b.picked) {
+            b.outputs[slot * hidden..(slot + 1) * hidden].copy_from_slice(src);
+        }
+    }
+    for (t, out) in xn.chunks_exact_mut(hidden).enumerate() {
+        out.fill(0.0);
+        for s in 0..k {
+            let slot = t * k + s;
+            let weight = routes[slot].weight;
+            let y = &b.outputs[slot * hidden..(slot + 1) * hidden];
+            for (o, v) in out.iter_mut().zip(y) {
+                *o += weight * v;
+            }
+        }
     }
 }
 

@@ -12,7 +12,7 @@ pub mod weights;
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, StrataError};
-use config::ModelConfig;
+use config::{Family, ModelConfig};
 use kernels::cpu::quant::QuantType;
 use kernels::cpu::rope::RopeTable;
 use weights::{DType, SafetensorsFiles, Tensor};
@@ -29,36 +29,81 @@ pub struct LayerWeights {
     pub o_bias: Option<Vec<f32>>,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
+    /// Gemma: the norm of the attention's output, before the residual add.
+    pub post_attn_norm: Option<Vec<f32>>,
     pub mlp_norm: Vec<f32>,
+    /// Gemma: the norm of the MLP's output, before the residual add.
+    pub post_mlp_norm: Option<Vec<f32>>,
+    pub mlp: Mlp,
+}
+
+/// A layer's MLP: one, or experts of which each token uses a few.
+pub enum Mlp {
+    Dense(MlpWeights),
+    Experts(ExpertWeights),
+}
+
+/// A gated MLP: down(act(gate(x)) * up(x)).
+pub struct MlpWeights {
     pub gate_proj: Tensor,
     pub up_proj: Tensor,
     pub down_proj: Tensor,
 }
 
+/// A mixture-of-experts MLP: the router's `[num_experts, hidden]` matrix and each expert's MLP.
+pub struct ExpertWeights {
+    pub router: Tensor,
+    pub experts: Vec<MlpWeights>,
+}
+
+impl MlpWeights {
+    fn bytes(&self) -> usize {
+        self.gate_proj.byte_len() + self.up_proj.byte_len() + self.down_proj.byte_len()
+    }
+}
+
 impl LayerWeights {
-    /// The layer's weight matrices, in the order the forward pass reads them.
-    pub fn matrices(&self) -> [&Tensor; 7] {
-        [
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-        ]
+    /// The layer's weight matrices, in the order the forward pass reads them (the experts in
+    /// their order; a step reads only the routed ones).
+    pub fn matrices(&self) -> Vec<&Tensor> {
+        let mut m = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+        match &self.mlp {
+            Mlp::Dense(d) => m.extend([&d.gate_proj, &d.up_proj, &d.down_proj]),
+            Mlp::Experts(e) => {
+                m.push(&e.router);
+                for x in &e.experts {
+                    m.extend([&x.gate_proj, &x.up_proj, &x.down_proj]);
+                }
+            }
+        }
+        m
     }
 
-    fn matrices_mut(&mut self) -> [&mut Tensor; 7] {
-        [
+    fn matrices_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut m = vec![
             &mut self.q_proj,
             &mut self.k_proj,
             &mut self.v_proj,
             &mut self.o_proj,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
-        ]
+        ];
+        match &mut self.mlp {
+            Mlp::Dense(d) => m.extend([&mut d.gate_proj, &mut d.up_proj, &mut d.down_proj]),
+            // The router stays as stored: its few rows are read by every token.
+            Mlp::Experts(e) => {
+                for x in &mut e.experts {
+                    m.extend([&mut x.gate_proj, &mut x.up_proj, &mut x.down_proj]);
+                }
+            }
+        }
+        m
+    }
+
+    /// The dense MLP, if the layer has one.
+    pub fn dense_mlp(&self) -> Option<&MlpWeights> {
+        match &self.mlp {
+            Mlp::Dense(d) => Some(d),
+            Mlp::Experts(_) => None,
+        }
     }
 }
 
@@ -86,6 +131,8 @@ pub struct Model {
     /// The embedding matrix itself when the model ties them.
     pub lm_head: Tensor,
     pub rope: RopeTable,
+    /// The sliding layers' own table (`config.local_rope`).
+    pub local_rope: Option<RopeTable>,
     /// dtype of the weight matrices: the one of all of them (a Hugging Face folder), or the one
     /// holding the most bytes (a GGUF file may mix block formats).
     pub dtype: DType,
@@ -216,7 +263,7 @@ enum Names {
 }
 
 /// A layer's tensors: the Hugging Face name after `model.layers.N.`, the GGUF one after `blk.N.`.
-const LAYER_NAMES: [(&str, &str); 15] = [
+const LAYER_NAMES: [(&str, &str); 17] = [
     ("input_layernorm.weight", "attn_norm.weight"),
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
@@ -229,6 +276,8 @@ const LAYER_NAMES: [(&str, &str); 15] = [
     ("self_attn.q_norm.weight", "attn_q_norm.weight"),
     ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
     ("mlp.gate_proj.weight", "ffn_gate.weight"),
     ("mlp.up_proj.weight", "ffn_up.weight"),
     ("mlp.down_proj.weight", "ffn_down.weight"),
@@ -253,10 +302,15 @@ impl Names {
             Names::Gguf => "output.weight",
         }
     }
-    /// Layer `i`'s tensor `hf` (its Hugging Face name after `model.layers.N.`).
-    fn layer(self, i: usize, hf: &str) -> String {
+    /// Layer `i`'s tensor `hf` (its Hugging Face name after `model.layers.N.`) in `family`.
+    fn layer(self, family: Family, i: usize, hf: &str) -> String {
         match self {
             Names::Hf => format!("model.layers.{i}.{hf}"),
+            // Gemma's `post_attention_layernorm` is the attention output's norm, not the
+            // pre-MLP norm that Llama's is.
+            Names::Gguf if family == Family::Gemma3 && hf == "post_attention_layernorm.weight" => {
+                format!("blk.{i}.post_attention_norm.weight")
+            }
             Names::Gguf => {
                 let gguf = LAYER_NAMES
                     .iter()
@@ -310,6 +364,12 @@ impl Model {
         // Biases are where the file has them (qwen2 always; some llama fine-tunes).
         config.qkv_bias = file.contains("blk.0.attn_q.bias");
         config.o_bias = file.contains("blk.0.attn_output.bias");
+        // Layers with a router hold experts; the others a dense MLP.
+        if let Some(moe) = &mut config.moe {
+            for (l, sparse) in moe.sparse_layers.iter_mut().enumerate() {
+                *sparse = file.contains(&format!("blk.{l}.ffn_gate_inp.weight"));
+            }
+        }
         Self::assemble(config, file, Names::Gguf, max_positions, meta.path())
     }
 
@@ -332,15 +392,36 @@ impl Model {
                 Ok(None)
             }
         };
+        // Gemma's RMSNorm scales by (1 + w): Hugging Face stores w, llama.cpp's converter
+        // stores 1 + w. Adding the 1 at load (in f32, as transformers does) leaves one norm.
+        let norm_offset = if c.family == Family::Gemma3 && names == Names::Hf {
+            1.0
+        } else {
+            0.0
+        };
+        let shifted = |mut v: Vec<f32>| {
+            v.iter_mut().for_each(|w| *w += norm_offset);
+            v
+        };
+        let norm = |name: &str, n: usize| vector(name, n).map(shifted);
+        let optional_norm = |present: bool, name: &str, n: usize| {
+            optional(present, name, n).map(|v| v.map(shifted))
+        };
+        let gemma = c.family == Family::Gemma3;
+        let mlp_norm_name = if gemma {
+            "pre_feedforward_layernorm.weight"
+        } else {
+            "post_attention_layernorm.weight"
+        };
 
         let embed = files.get(names.embed(), &[c.vocab_size, h])?;
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
-            let p = |hf: &str| names.layer(i, hf);
+            let p = |hf: &str| names.layer(c.family, i, hf);
             // Old Llama checkpoints carry the rotary inv_freq buffer; it is recomputed, not read.
             files.ignore(&p("self_attn.rotary_emb.inv_freq"));
             layers.push(LayerWeights {
-                attn_norm: vector(&p("input_layernorm.weight"), h)?,
+                attn_norm: norm(&p("input_layernorm.weight"), h)?,
                 q_proj: files.get(&p("self_attn.q_proj.weight"), &[q, h])?,
                 k_proj: files.get(&p("self_attn.k_proj.weight"), &[kv, h])?,
                 v_proj: files.get(&p("self_attn.v_proj.weight"), &[kv, h])?,
@@ -349,15 +430,32 @@ impl Model {
                 k_bias: optional(c.qkv_bias, &p("self_attn.k_proj.bias"), kv)?,
                 v_bias: optional(c.qkv_bias, &p("self_attn.v_proj.bias"), kv)?,
                 o_bias: optional(c.o_bias, &p("self_attn.o_proj.bias"), h)?,
-                q_norm: optional(c.qk_norm, &p("self_attn.q_norm.weight"), c.head_dim)?,
-                k_norm: optional(c.qk_norm, &p("self_attn.k_norm.weight"), c.head_dim)?,
-                mlp_norm: vector(&p("post_attention_layernorm.weight"), h)?,
-                gate_proj: files.get(&p("mlp.gate_proj.weight"), &[inter, h])?,
-                up_proj: files.get(&p("mlp.up_proj.weight"), &[inter, h])?,
-                down_proj: files.get(&p("mlp.down_proj.weight"), &[h, inter])?,
+                q_norm: optional_norm(c.qk_norm, &p("self_attn.q_norm.weight"), c.head_dim)?,
+                k_norm: optional_norm(c.qk_norm, &p("self_attn.k_norm.weight"), c.head_dim)?,
+                post_attn_norm: optional_norm(
+                    c.post_norms,
+                    &p("post_attention_layernorm.weight"),
+                    h,
+                )?,
+                mlp_norm: norm(&p(mlp_norm_name), h)?,
+                post_mlp_norm: optional_norm(
+                    c.post_norms,
+                    &p("post_feedforward_layernorm.weight"),
+                    h,
+                )?,
+                mlp: match &c.moe {
+                    Some(moe) if moe.is_sparse(i) => {
+                        Mlp::Experts(load_experts(files, names, c.family, i, moe, h)?)
+                    }
+                    _ => Mlp::Dense(MlpWeights {
+                        gate_proj: files.get(&p("mlp.gate_proj.weight"), &[inter, h])?,
+                        up_proj: files.get(&p("mlp.up_proj.weight"), &[inter, h])?,
+                        down_proj: files.get(&p("mlp.down_proj.weight"), &[h, inter])?,
+                    }),
+                },
             });
         }
-        let norm = vector(names.norm(), h)?;
+        let norm = norm(names.norm(), h)?;
         let lm_head = if c.tie_word_embeddings {
             // Some tied checkpoints still store the head; transformers ignores it and so do we.
             files.ignore(names.lm_head());
@@ -382,8 +480,8 @@ impl Model {
                 }
             }
         }
-        let (dtype, decode_weight_bytes) = weight_summary(&embed, &layers, &lm_head);
-        let rope = rope_table(c, max_positions)?;
+        let (dtype, decode_weight_bytes) = weight_summary(c, &embed, &layers, &lm_head);
+        let (rope, local_rope) = rope_tables(c, max_positions)?;
         Ok(Model {
             config,
             embed,
@@ -391,6 +489,7 @@ impl Model {
             norm,
             lm_head,
             rope,
+            local_rope,
             dtype,
             decode_weight_bytes,
             bf16_dot: false,
@@ -439,7 +538,7 @@ impl Model {
         };
         self.lm_head = convert(&self.lm_head, head);
         (self.dtype, self.decode_weight_bytes) =
-            weight_summary(&self.embed, &self.layers, &self.lm_head);
+            weight_summary(&self.config, &self.embed, &self.layers, &self.lm_head);
         Ok(fell_back)
     }
 
@@ -453,8 +552,8 @@ impl Model {
                 .any(|l| l.matrices().into_iter().any(bf16))
     }
 
-    /// Interleaves the Q4_K and Q6_K matrices for the CPU's AVX-512 kernels
-    /// ([`kernels::cpu::quant::interleave`]): the layer matrices and the head. A tied embedding
+    /// Interleaves the quantized matrices whose type this CPU's kernels read interleaved
+    /// ([`kernels::cpu::quant::interleave::wanted`]): the layer matrices and the head. A tied embedding
     /// becomes the interleaved head (a lookup reads its row block by block), so the bytes stay
     /// counted once. Returns how many matrices changed.
     pub fn interleave_for_cpu(&mut self) -> usize {
@@ -478,7 +577,7 @@ impl Model {
             }
         }
         (self.dtype, self.decode_weight_bytes) =
-            weight_summary(&self.embed, &self.layers, &self.lm_head);
+            weight_summary(&self.config, &self.embed, &self.layers, &self.lm_head);
         changed
     }
 
@@ -522,7 +621,14 @@ impl Model {
             bytes += l.matrices().iter().map(|t| t.byte_len()).sum::<usize>();
             bytes += vector(&l.attn_norm) + vector(&l.mlp_norm);
             bytes += [
-                &l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm,
+                &l.q_bias,
+                &l.k_bias,
+                &l.v_bias,
+                &l.o_bias,
+                &l.q_norm,
+                &l.k_norm,
+                &l.post_attn_norm,
+                &l.post_mlp_norm,
             ]
             .iter()
             .map(|v| optional(v))
@@ -534,15 +640,93 @@ impl Model {
     /// Rebuilds the RoPE table for `max_positions` (the engine sizes it once the K/V pool has
     /// bounded the context).
     pub fn set_max_positions(&mut self, max_positions: usize) -> Result<()> {
-        self.rope = rope_table(&self.config, max_positions)?;
+        (self.rope, self.local_rope) = rope_tables(&self.config, max_positions)?;
         Ok(())
     }
+
+    /// The RoPE table of `layer`.
+    pub fn rope_at(&self, layer: usize) -> &RopeTable {
+        match &self.local_rope {
+            Some(local) if self.config.local_rope_at(layer) => local,
+            _ => &self.rope,
+        }
+    }
+
+    /// Bytes of the RoPE tables.
+    pub fn rope_bytes(&self) -> usize {
+        self.rope.bytes() + self.local_rope.as_ref().map_or(0, RopeTable::bytes)
+    }
+}
+
+/// Layer `i`'s router and experts: one tensor per expert in a Hugging Face folder (Qwen3-MoE's
+/// `mlp.experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`), or the experts
+/// stacked in one `[num_experts, rows, cols]` tensor per matrix in a GGUF file, each expert a
+/// view of its rows.
+fn load_experts(
+    files: &impl TensorFiles,
+    names: Names,
+    family: Family,
+    i: usize,
+    moe: &config::MoeConfig,
+    h: usize,
+) -> Result<ExpertWeights> {
+    let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
+    if names == Names::Gguf {
+        let stacked = |name: &str, rows: usize, cols: usize| -> Result<Vec<Tensor>> {
+            Ok(files
+                .get(&format!("blk.{i}.{name}"), &[e, rows, cols])?
+                .split_outer())
+        };
+        let (gate, up, down) = (
+            stacked("ffn_gate_exps.weight", inter, h)?,
+            stacked("ffn_up_exps.weight", inter, h)?,
+            stacked("ffn_down_exps.weight", h, inter)?,
+        );
+        let experts = gate
+            .into_iter()
+            .zip(up)
+            .zip(down)
+            .map(|((gate_proj, up_proj), down_proj)| MlpWeights {
+                gate_proj,
+                up_proj,
+                down_proj,
+            })
+            .collect();
+        return Ok(ExpertWeights {
+            router: files.get(&format!("blk.{i}.ffn_gate_inp.weight"), &[e, h])?,
+            experts,
+        });
+    }
+    let (block, gate, up, down) = match family {
+        Family::Mixtral => ("block_sparse_moe", "w1", "w3", "w2"),
+        _ => ("mlp", "gate_proj", "up_proj", "down_proj"),
+    };
+    let p = |rest: String| format!("model.layers.{i}.{block}.{rest}");
+    let mut experts = Vec::with_capacity(e);
+    for x in 0..e {
+        experts.push(MlpWeights {
+            gate_proj: files.get(&p(format!("experts.{x}.{gate}.weight")), &[inter, h])?,
+            up_proj: files.get(&p(format!("experts.{x}.{up}.weight")), &[inter, h])?,
+            down_proj: files.get(&p(format!("experts.{x}.{down}.weight")), &[h, inter])?,
+        });
+    }
+    Ok(ExpertWeights {
+        router: files.get(&p("gate.weight".to_string()), &[e, h])?,
+        experts,
+    })
 }
 
 /// The model's dtype and the bytes a decode step reads of its matrices. A GGUF file mixes
 /// types (Q4_K_M: Q4_K and Q6_K matrices); the model's dtype is the one that holds the most
 /// bytes of the layer matrices.
-fn weight_summary(embed: &Tensor, layers: &[LayerWeights], lm_head: &Tensor) -> (DType, usize) {
+/// A mixture of experts' step reads the router and the k routed experts of each layer: k / n of
+/// the experts' bytes, on average.
+fn weight_summary(
+    c: &ModelConfig,
+    embed: &Tensor,
+    layers: &[LayerWeights],
+    lm_head: &Tensor,
+) -> (DType, usize) {
     let mut bytes_by_dtype: Vec<(DType, usize)> = Vec::new();
     let mut decode_weight_bytes = lm_head.byte_len();
     for t in layers.iter().flat_map(|l| l.matrices()) {
@@ -552,6 +736,14 @@ fn weight_summary(embed: &Tensor, layers: &[LayerWeights], lm_head: &Tensor) -> 
         }
         decode_weight_bytes += t.byte_len();
     }
+    if let Some(moe) = &c.moe {
+        for l in layers {
+            if let Mlp::Experts(e) = &l.mlp {
+                let experts: usize = e.experts.iter().map(|x| x.bytes()).sum();
+                decode_weight_bytes -= experts - experts * moe.experts_per_token / moe.num_experts;
+            }
+        }
+    }
     let dtype = bytes_by_dtype
         .iter()
         .max_by_key(|(_, b)| *b)
@@ -559,14 +751,23 @@ fn weight_summary(embed: &Tensor, layers: &[LayerWeights], lm_head: &Tensor) -> 
     (dtype, decode_weight_bytes)
 }
 
-fn rope_table(c: &ModelConfig, max_positions: usize) -> Result<RopeTable> {
-    let table = RopeTable::try_new(c.head_dim, c.rope_theta, &c.rope_scaling, max_positions);
-    table
-        .map(|t| t.with_pairing(c.rope_pairing))
-        .ok_or_else(|| {
-            StrataError::invalid(
-                "max_context",
-                format!("cannot allocate the rotary position table for {max_positions} positions"),
-            )
-        })
+/// The RoPE table of the model, and the sliding layers' own where they have one.
+fn rope_tables(c: &ModelConfig, max_positions: usize) -> Result<(RopeTable, Option<RopeTable>)> {
+    let table = |theta: f64, scaling| {
+        RopeTable::try_new(c.head_dim, theta, scaling, max_positions)
+            .map(|t| t.with_pairing(c.rope_pairing))
+            .ok_or_else(|| {
+                StrataError::invalid(
+                    "max_context",
+                    format!(
+                        "cannot allocate the rotary position table for {max_positions} positions"
+                    ),
+                )
+            })
+    };
+    let local = match &c.local_rope {
+        Some(l) => Some(table(l.theta, &l.scaling)?),
+        None => None,
+    };
+    Ok((table(c.rope_theta, &c.rope_scaling)?, local))
 }

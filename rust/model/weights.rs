@@ -159,6 +159,43 @@ impl Tensor {
         }
     }
 
+    /// A `[n, rows, cols]` tensor as its n `[rows, cols]` matrices (a GGUF file's stacked
+    /// experts): views of the same bytes, each part a whole number of rows.
+    pub fn split_outer(&self) -> Vec<Tensor> {
+        let n = self.shape[0];
+        let part_len = self.len / n.max(1);
+        (0..n)
+            .map(|i| {
+                let (start, owned) = match &self.owned {
+                    None => (self.start + i * part_len, None),
+                    // An owned (realigned) tensor: each part gets its own copy of its bytes.
+                    Some(_) => {
+                        let bytes = &self.bytes()[i * part_len..(i + 1) * part_len];
+                        let mut words = vec![0u32; part_len.div_ceil(4)];
+                        // SAFETY: `words` holds at least `part_len` bytes; u8 has no alignment.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                bytes.as_ptr(),
+                                words.as_mut_ptr() as *mut u8,
+                                part_len,
+                            )
+                        };
+                        (0, Some(Arc::new(words)))
+                    }
+                };
+                Tensor {
+                    map: self.map.clone(),
+                    dtype: self.dtype,
+                    shape: self.shape[1..].to_vec(),
+                    start,
+                    len: part_len,
+                    owned,
+                    interleaved: false,
+                }
+            })
+            .collect()
+    }
+
     /// Whether the blocks are in the interleaved layout (only the CPU's kernels read it).
     pub fn is_interleaved(&self) -> bool {
         self.interleaved
@@ -248,16 +285,14 @@ impl Tensor {
     }
 
     /// This quantized `[rows, cols]` matrix in the interleaved layout (the same blocks, grouped
-    /// by 16 rows for the AVX-512 kernels), as a tensor that owns them; `None` when its type
-    /// has no such layout or it already is.
+    /// by 16 rows for the x86 kernels), as a tensor that owns them; `None` when this CPU's
+    /// kernels do not read its type interleaved or it already is.
     pub fn interleave(&self) -> Option<Tensor> {
-        use crate::model::kernels::cpu::quant::interleave::{
-            interleave, interleaved_len, supported,
-        };
+        use crate::model::kernels::cpu::quant::interleave::{interleave, interleaved_len, wanted};
         let (DType::Quant(ty), &[rows, cols]) = (self.dtype, &self.shape[..]) else {
             return None;
         };
-        if self.interleaved || !supported(ty) || rows * cols == 0 {
+        if self.interleaved || !wanted(ty) || rows * cols == 0 {
             return None;
         }
         let len = interleaved_len(ty, rows, cols)?;

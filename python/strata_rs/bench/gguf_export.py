@@ -6,7 +6,13 @@ what `strata_rs.testing.models.make_model` writes and the equivalent real
 checkpoints:
 
 * model_type llama / mistral -> GGUF arch "llama" (q/k rows permuted, see
-  `_neox_to_interleaved`), qwen2 -> "qwen2", qwen3 -> "qwen3".
+  `_neox_to_interleaved`), qwen2 -> "qwen2", qwen3 -> "qwen3", gemma3_text ->
+  "gemma3" (norm weights stored as 1 + w, as llama.cpp's converter does; only
+  what llama.cpp's gemma3 loader can express: every sixth layer global, the
+  sliding layers' RoPE base 10000 unscaled, the scale of the head size),
+  qwen3_moe -> "qwen3moe" and mixtral -> "llama" with experts (each matrix's
+  experts stacked into one `ffn_*_exps` tensor; the router kept f32, as
+  llama.cpp's quantizer keeps it).
 * RoPE scaling: none, "linear", and "llama3" (as a `rope_freqs` tensor).
   Anything else raises ValueError rather than silently computing another
   function.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,7 +38,15 @@ if TYPE_CHECKING:
     import gguf
 
 # HF model_type -> GGUF architecture name.
-_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+}
 
 # Output dtypes of 2-D weight matrices; 1-D tensors (norms, biases) stay f32.
 _FLOAT_DTYPES = ("bf16", "f16", "f32")
@@ -134,6 +149,9 @@ def _head_dim(config: Mapping[str, Any]) -> int:
 def _rope_scaling(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None), accepting transformers 4 and 5 layouts."""
     params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:
+        # Gemma 3 under transformers 5: one entry per layer type; the global layers' here.
+        params = params["full_attention"]
     if isinstance(params, Mapping):
         theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
         scaling: dict[str, Any] | None = dict(params)
@@ -175,6 +193,9 @@ def _check_supported(config: Mapping[str, Any]) -> str:
             f"model_type {model_type!r} is not supported by the GGUF export "
             f"(supported: {', '.join(_ARCH)})"
         )
+    if model_type == "gemma3_text":
+        _check_gemma3(config)
+        return _ARCH[model_type]
     if config.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
     window = config.get("sliding_window")
@@ -189,6 +210,52 @@ def _check_supported(config: Mapping[str, Any]) -> str:
     if config.get("mlp_bias", False):
         raise ValueError("mlp_bias=true is not supported")
     return _ARCH[model_type]
+
+
+def _check_gemma3(config: Mapping[str, Any]) -> None:
+    """What llama.cpp's gemma3 loader fixes rather than reads must be what the config says."""
+    act = config.get("hidden_activation", config.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    # attn_logit_softcapping: read by transformers' Gemma 3 but never applied; not exported.
+    layers = int(config["num_hidden_layers"])
+    pattern = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(layers)]
+    types = config.get("layer_types")
+    if types is None:
+        every = int(config.get("sliding_window_pattern", 6))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)
+        ]
+    if list(types) != pattern:
+        raise ValueError(
+            "gemma3 layer_types other than five sliding layers then one global cannot be "
+            "expressed in GGUF (llama.cpp fixes that pattern)"
+        )
+    head_dim = _head_dim(config)
+    scalar = float(config.get("query_pre_attn_scalar", 256))
+    fixed = (
+        int(config["hidden_size"]) // int(config["num_attention_heads"])
+        if layers == 62
+        else head_dim
+    )
+    if scalar != fixed:
+        raise ValueError(
+            f"gemma3 query_pre_attn_scalar {scalar:g} cannot be expressed in GGUF "
+            f"(llama.cpp uses {fixed} for {layers} layers)"
+        )
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and "sliding_attention" in params:
+        local = dict(params["sliding_attention"])
+    else:
+        local = {"rope_theta": config.get("rope_local_base_freq", 10000.0)}
+    if (
+        float(local.get("rope_theta", 10000.0)) != 10000.0
+        or local.get("rope_type", "default") != "default"
+    ):
+        raise ValueError(
+            "gemma3's sliding layers must use RoPE base 10000 unscaled in GGUF "
+            f"(llama.cpp fixes it), not {local}"
+        )
 
 
 # --------------------------------------------------------------------------
@@ -209,7 +276,16 @@ def _neox_to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _gguf_name(hf_name: str) -> str | None:
+# Gemma's layer norms: its `post_attention_layernorm` is the attention output's norm (Llama's
+# is the MLP's input norm), and it has two more.
+_GEMMA3_NORMS = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def _gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name for an HF tensor name (None: not exported)."""
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -221,6 +297,8 @@ def _gguf_name(hf_name: str) -> str | None:
     if not hf_name.startswith("model.layers."):
         return None
     layer, _, rest = hf_name[len("model.layers.") :].partition(".")
+    if arch == "gemma3" and rest in _GEMMA3_NORMS:
+        return f"blk.{int(layer)}.{_GEMMA3_NORMS[rest]}"
     suffix = {
         "input_layernorm.weight": "attn_norm.weight",
         "self_attn.q_proj.weight": "attn_q.weight",
@@ -237,15 +315,37 @@ def _gguf_name(hf_name: str) -> str | None:
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
+        # The routers of Qwen3-MoE and Mixtral.
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     }.get(rest)
     if suffix is None:
         return None
     return f"blk.{int(layer)}.{suffix}"
 
 
+# One expert's matrix (Qwen3-MoE's names, then Mixtral's): layer, expert, which.
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+_EXPERT_KIND = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+
+
+def _num_experts(config: Mapping[str, Any]) -> int:
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
+
+
 def _quantized(arr: np.ndarray, dtype: str, quantizer: str) -> tuple[np.ndarray, Any]:
-    """(bytes, ggml type) of a 2-D f32 matrix in `dtype`. A row that is not whole blocks
-    falls back as llama.cpp's quantizer does: to q8_0 (rows of 32s), else f16."""
+    """(bytes, ggml type) of an f32 matrix (or stack of them) in `dtype`. A row that is not
+    whole blocks falls back as llama.cpp's quantizer does: to q8_0 (rows of 32s), else f16."""
     from gguf import GGMLQuantizationType, quants
     from gguf.constants import GGML_QUANT_SIZES
 
@@ -259,7 +359,37 @@ def _quantized(arr: np.ndarray, dtype: str, quantizer: str) -> tuple[np.ndarray,
         return quants.quantize(arr, qtype), qtype
     import strata_rs
 
-    return strata_rs.quantize(np.ascontiguousarray(arr, np.float32), dtype), qtype
+    rows = np.ascontiguousarray(arr, np.float32).reshape(-1, arr.shape[-1])
+    data = np.asarray(strata_rs.quantize(rows, dtype))
+    return data.reshape(*arr.shape[:-1], data.shape[-1]), qtype
+
+
+def _write(
+    writer: gguf.GGUFWriter,
+    name: str,
+    st_dtype: str,
+    arr: np.ndarray,
+    dtype: str,
+    quantizer: str,
+) -> None:
+    """One tensor in `dtype` (vectors and routers in f32)."""
+    from gguf import GGMLQuantizationType
+
+    if arr.ndim == 1 or dtype == "f32" or name.endswith("ffn_gate_inp.weight"):
+        writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr)))
+    elif dtype == "f16":
+        writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr), "<f2"))
+    elif dtype in _QUANT_DTYPES:
+        data, qtype = _quantized(_to_f32(st_dtype, arr), dtype, quantizer)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    else:
+        # bf16 sources are copied bit for bit; others rounded.
+        bits = (
+            np.ascontiguousarray(arr)
+            if st_dtype == "BF16"
+            else _f32_to_bf16_bits(_to_f32(st_dtype, arr))
+        )
+        writer.add_tensor(name, bits, raw_dtype=GGMLQuantizationType.BF16)
 
 
 def _add_tensors(
@@ -270,15 +400,27 @@ def _add_tensors(
     dtype: str,
     quantizer: str,
 ) -> None:
-    from gguf import GGMLQuantizationType
-
     tied = bool(config.get("tie_word_embeddings", False))
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
+    n_experts = _num_experts(config)
+    # A layer's experts of one matrix, gathered until all have been read, then stacked.
+    experts: dict[tuple[int, str], dict[int, tuple[str, np.ndarray]]] = {}
     seen: set[str] = set()
     for path in _safetensors_files(model_dir):
         for hf_name, st_dtype, arr in _iter_safetensors(path):
-            name = _gguf_name(hf_name)
+            if (m := _EXPERT.fullmatch(hf_name)) is not None:
+                layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KIND[m[3]]
+                parts = experts.setdefault((layer, kind), {})
+                parts[expert] = (st_dtype, arr)
+                if len(parts) == n_experts:
+                    stacked = np.stack([_to_f32(*parts[e]) for e in range(n_experts)])
+                    name = f"blk.{layer}.ffn_{kind}_exps.weight"
+                    seen.add(name)
+                    _write(writer, name, "F32", stacked, dtype, quantizer)
+                    del experts[(layer, kind)]
+                continue
+            name = _gguf_name(hf_name, arch)
             if name is None:
                 if "rotary_emb" in hf_name:
                     continue  # old checkpoints store derived inv_freq buffers
@@ -291,22 +433,14 @@ def _add_tensors(
                 arr = _neox_to_interleaved(arr, n_head)
             elif arch == "llama" and ".attn_k." in name:
                 arr = _neox_to_interleaved(arr, n_kv)
+            elif arch == "gemma3" and name.endswith("norm.weight"):
+                # Gemma's RMSNorm scales by 1 + w; llama.cpp's gemma3 reads 1 + w stored.
+                arr = _to_f32(st_dtype, arr) + np.float32(1.0)
+                st_dtype = "F32"
             seen.add(name)
-            if arr.ndim == 1 or dtype == "f32":
-                writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr)))
-            elif dtype == "f16":
-                writer.add_tensor(name, np.ascontiguousarray(_to_f32(st_dtype, arr), "<f2"))
-            elif dtype in _QUANT_DTYPES:
-                data, qtype = _quantized(_to_f32(st_dtype, arr), dtype, quantizer)
-                writer.add_tensor(name, data, raw_dtype=qtype)
-            else:
-                # bf16 sources are copied bit for bit; others rounded.
-                bits = (
-                    np.ascontiguousarray(arr)
-                    if st_dtype == "BF16"
-                    else _f32_to_bf16_bits(_to_f32(st_dtype, arr))
-                )
-                writer.add_tensor(name, bits, raw_dtype=GGMLQuantizationType.BF16)
+            _write(writer, name, st_dtype, arr, dtype, quantizer)
+    if experts:
+        raise ValueError(f"missing experts in {model_dir}: {sorted(experts)}")
     required = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
     missing = required - seen
     if missing:
@@ -576,6 +710,21 @@ def export_gguf(
         # on top would scale twice.
         writer.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+
+    if n_experts := _num_experts(config):
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+            # llama.cpp's qwen3moe always renormalizes the k weights (norm_topk_prob, as every
+            # Qwen3-MoE ships); a model without it cannot be expressed there.
+            if not config.get("norm_topk_prob", False):
+                raise ValueError("qwen3_moe with norm_topk_prob=false is not supported in GGUF")
+    if arch == "gemma3":
+        if config.get("sliding_window") is not None:
+            writer.add_sliding_window(int(config["sliding_window"]))
+        if config.get("final_logit_softcapping") is not None:
+            writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
     _add_tokenizer(writer, model_dir, config, vocab_size, pre_tokenizer)
     if freq_factors is not None:

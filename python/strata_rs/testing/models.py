@@ -1,11 +1,14 @@
 """Synthetic Hugging Face model folders for tests and benchmarks.
 
 `make_model` writes a folder that looks exactly like one downloaded from the
-Hub for the Llama family (llama, mistral, qwen2, qwen3): config.json,
-safetensors weights (optionally sharded), a trained byte-level BPE
-tokenizer, tokenizer_config.json and generation_config.json.  Weights are
-random but seeded and deliberately non-trivial (norm weights and biases are
-not 1/0) so that a numerical mistake in an engine shows up in the logits.
+Hub for the Llama family (llama, mistral, qwen2, qwen3), for Gemma 3's text
+model (gemma3) and for the mixture-of-experts families Qwen3-MoE (qwen3_moe)
+and Mixtral (mixtral): config.json, safetensors weights (optionally sharded),
+a trained byte-level BPE tokenizer, tokenizer_config.json and
+generation_config.json.  Weights are random but seeded and deliberately
+non-trivial (norm weights and biases are not 1/0, Gemma's norm weights not 0,
+routers that choose decisively) so that a numerical mistake in an engine shows
+up in the logits.
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-PRESETS = ("tiny", "smollm-135m", "llama-1b")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+PRESETS = ("tiny", "smollm-135m", "llama-1b", "qwen3-moe-1b", "qwen3-dense-0.3b", "gemma3-1b")
 DTYPES = ("f32", "bf16", "f16")
+# How config.json spells RoPE: "v4" as transformers 4 writes it and Hub configs carry it
+# (rope_theta, rope_scaling, and Gemma 3's rope_local_base_freq at top level); "v5" as
+# transformers 5 writes it (one rope_parameters dict with theta inside, per layer type for Gemma 3).
+ROPE_FORMS = ("v4", "v5")
 
 # Strings transformers writes in config.json["torch_dtype"].
 TORCH_DTYPE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -47,7 +54,13 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# config.json["model_type"] where it is not the family name: "gemma3" is the multimodal
+# Gemma3ForConditionalGeneration, the text-only model is "gemma3_text".
+MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 # Model shapes.  The tiny preset ties embeddings for qwen3/mistral and unties
 # them for llama/qwen2 so both code paths are covered; its RoPE scaling starts
@@ -92,6 +105,47 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5,
     },
+    # A Qwen3-MoE of 1.0B parameters of which 0.34B are active per token (8 experts of width
+    # 1536, two per token, tied), and the dense Qwen3 with those active parameters (one MLP of
+    # width 3072 = 2 x 1536): the pair compares MoE and dense decoding at equal work per token.
+    "qwen3-moe-1b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen3-dense-0.3b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    # Gemma-3-1B's shape (1.0B parameters, 0.3B of them the tied 262K-token embedding; head_dim
+    # 256, one K/V head).
+    "gemma3-1b": {
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+    },
 }
 # config.json fields a preset sets beyond its shape: Llama-3.2-1B's long-context RoPE (llama3
 # scaling from an 8K original context to 131,072 positions) and its tied head.
@@ -106,10 +160,44 @@ _PRESET_FIELDS: dict[str, dict[str, Any]] = {
         },
         "tie_word_embeddings": True,
     },
+    # Spelled out although they are qwen3_moe's defaults here: these are the preset's shape.
+    "qwen3-moe-1b": {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 1536,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": True,
+    },
+    "qwen3-dense-0.3b": {"tie_word_embeddings": True},
+    # Gemma-3-1B's config: a 512-token window on five layers of six, no RoPE scaling.
+    "gemma3-1b": {
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "layer_types": None,
+        "query_pre_attn_scalar": 256,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": True,
+    },
 }
+# Presets made for one family (their names say which); the others fit every family.
+_PRESET_FAMILIES: dict[str, tuple[str, ...]] = {
+    "qwen3-moe-1b": ("qwen3_moe",),
+    "qwen3-dense-0.3b": ("qwen3",),
+    "gemma3-1b": ("gemma3",),
+}
+
+
+# Each preset's family when the caller names none (`strata-rs make-model --preset`).
+def preset_family(preset: str) -> str:
+    return _PRESET_FAMILIES.get(preset, ("llama",))[0]
+
+
 # Presets whose tokenizer learns fewer tokens than the vocabulary (training 128K tokens on the
 # built-in corpus would take minutes and most of them would be rare byte pairs anyway).
-_PRESET_TOKENIZER_VOCAB = {"llama-1b": 49152}
+_PRESET_TOKENIZER_VOCAB = {"llama-1b": 49152, "gemma3-1b": 49152}
 
 _TINY_FAMILY: dict[str, dict[str, Any]] = {
     "llama": {
@@ -128,6 +216,48 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"tie_word_embeddings": False, "rope_scaling": None},
     "qwen3": {"tie_word_embeddings": True, "rope_scaling": None},
+    # Every Gemma 3 feature shows within ~100 tokens: three sliding layers with a window of 8
+    # around one full layer; full layers' RoPE linearly scaled as in Gemma 3 4B and up, sliding
+    # layers' on their own unscaled base; head_dim decoupled from hidden/heads, and an attention
+    # scale (query_pre_attn_scalar) that is not head_dim, so that a 1/sqrt(head_dim) shows.
+    "gemma3": {
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
+        # The same list as a pattern (every third layer full): transformers 5 reads layer_types,
+        # but Gemma 3's Hub configs (written by 4.50) carry only sliding_window_pattern.
+        "sliding_window_pattern": 3,
+        "sliding_window": 8,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    # Three layers with layer 1 a dense MLP (mlp_only_layers) between two sparse ones, so that
+    # both kinds of layer and the rule choosing between them show; experts narrower than the
+    # dense MLP, as in real Qwen3-MoE models (768 against 6144 in Qwen3-30B-A3B).
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "max_window_layers": 3,  # = num_hidden_layers, as in Qwen3-MoE's configs
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [1],
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
+    # Mixtral's intermediate_size is each expert's width.
+    "mixtral": {
+        "intermediate_size": 32,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
 }
 
 MATRIX_STD = 0.05
@@ -137,6 +267,16 @@ MATRIX_STD = 0.05
 QK_STD_TIMES_SQRT_HIDDEN = 1.2
 NORM_STD = 0.1
 BIAS_STD = 0.05
+# Routers get a fan-in scaled std (0.375 at hidden 64, 0.094 at hidden 1024). The router reads
+# a normalized hidden state (norm about sqrt(hidden)), so its logits have a std of about 3: with
+# the matrices' 0.05 it would be 0.4, a near-uniform routing that a wrong choice of experts would
+# hardly change. The std hardly moves which experts win (in the first MoE layer not at all: its
+# logits scale with it), but it sets their weights and the margins: at 3 the first of the two
+# chosen experts weighs about 0.8 (the second still counts), the six left out keep about a tenth
+# of the probability (so norm_topk_prob shows), and the second and third experts' logits differ
+# by 0.1 at the 5th percentile, so a float32 engine picks the experts a float64 reference does
+# (tests/test_reference_self.py checks the tiny models' routing).
+ROUTER_STD_TIMES_SQRT_HIDDEN = 3.0
 
 
 # --------------------------------------------------------------------------
@@ -155,7 +295,7 @@ def _family_config(family: str, shape: Mapping[str, Any], dtype: str) -> dict[st
         "initializer_range": 0.02,
         "intermediate_size": shape["intermediate_size"],
         "max_position_embeddings": shape["max_position_embeddings"],
-        "model_type": family,
+        "model_type": MODEL_TYPES.get(family, family),
         "num_attention_heads": shape["num_attention_heads"],
         "num_hidden_layers": shape["num_hidden_layers"],
         "num_key_value_heads": shape["num_key_value_heads"],
@@ -194,53 +334,200 @@ def _family_config(family: str, shape: Mapping[str, Any], dtype: str) -> dict[st
             sliding_window=None,
             use_sliding_window=False,
         )
+    elif family == "qwen3_moe":
+        # Qwen3-30B-A3B's config.json keys (transformers 4.51), with 8 experts of which 2 serve
+        # each token, each half as wide as the preset's dense MLP (which the dense layers of
+        # mlp_only_layers keep): a token's two experts do the dense MLP's work.
+        common.update(
+            attention_bias=False,
+            decoder_sparse_step=1,
+            head_dim=shape["head_dim"],
+            max_window_layers=shape["num_hidden_layers"],
+            mlp_only_layers=[],
+            moe_intermediate_size=shape["intermediate_size"] // 2,
+            norm_topk_prob=True,
+            num_experts=8,
+            num_experts_per_tok=2,
+            output_router_logits=False,
+            router_aux_loss_coef=0.001,
+            sliding_window=None,
+            use_sliding_window=False,
+        )
+    elif family == "mixtral":
+        # Mixtral-8x7B's config.json keys: 8 experts, 2 per token, each of width
+        # intermediate_size (half the preset's dense MLP here, as for qwen3_moe).
+        common.update(
+            head_dim=shape["head_dim"],
+            intermediate_size=shape["intermediate_size"] // 2,
+            num_experts_per_tok=2,
+            num_local_experts=8,
+            output_router_logits=False,
+            router_aux_loss_coef=0.02,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    elif family == "gemma3":
+        # Gemma 3 1B's settings (its config.json, transformers 4.50): every sixth layer full,
+        # a 512-token window, global RoPE base 1e6 and local 1e4, the attention scale from
+        # query_pre_attn_scalar (= head_dim in 1B/4B/12B). Gemma names its activation
+        # hidden_activation (GELU, tanh approximation), has no hidden_act, and pads with id 0.
+        del common["hidden_act"]
+        n_layers = shape["num_hidden_layers"]
+        common.update(
+            attention_bias=False,
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            head_dim=shape["head_dim"],
+            hidden_activation="gelu_pytorch_tanh",
+            layer_types=gemma3_layer_types(n_layers, 6),
+            pad_token_id=ENDOFTEXT_ID,
+            query_pre_attn_scalar=shape["head_dim"],
+            rope_local_base_freq=10000.0,
+            rope_theta=1000000.0,
+            sliding_window=512,
+            sliding_window_pattern=6,
+            use_bidirectional_attention=False,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return dict(sorted(common.items()))
 
 
+def gemma3_layer_types(num_hidden_layers: int, sliding_window_pattern: int) -> list[str]:
+    """transformers' rule for Gemma 3 configs without layer_types: layer i is full when
+    (i + 1) is a multiple of the pattern, sliding otherwise."""
+    return [
+        "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+        for i in range(num_hidden_layers)
+    ]
+
+
+def _rope_parameters(config: dict[str, Any]) -> None:
+    """Rewrites config's RoPE fields in place into transformers 5's rope_parameters."""
+    theta = config.pop("rope_theta")
+    scaling = config.pop("rope_scaling", None)
+    full = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
+    if config["model_type"] == "gemma3_text":
+        # Scaling applies to the full-attention layers only; the sliding ones keep their own base.
+        local = {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq")}
+        config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    else:
+        config["rope_parameters"] = full
+
+
 def build_config(
-    family: str, preset: str = "tiny", dtype: str = "f32", **overrides: Any
+    family: str,
+    preset: str = "tiny",
+    dtype: str = "f32",
+    *,
+    rope_form: str = "v4",
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """The config.json dict make_model would write (without writing anything)."""
+    """The config.json dict make_model would write (without writing anything).
+
+    `rope_form` is one of ROPE_FORMS; "v5" converts the RoPE fields after the overrides, so
+    rope_theta/rope_scaling/rope_local_base_freq overrides still apply."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {PRESETS}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    if rope_form not in ROPE_FORMS:
+        raise ValueError(f"unknown rope_form {rope_form!r}; expected one of {ROPE_FORMS}")
+    if family not in _PRESET_FAMILIES.get(preset, FAMILIES):
+        raise ValueError(
+            f"preset {preset!r} is for family {' or '.join(_PRESET_FAMILIES[preset])}, "
+            f"not {family!r}"
+        )
     config = _family_config(family, _PRESETS[preset], dtype)
     if preset == "tiny":
         config.update(_TINY_FAMILY[family])
     config.update(_PRESET_FIELDS.get(preset, {}))
     shape_changed = "hidden_size" in overrides or "num_attention_heads" in overrides
     config.update(overrides)
-    # Only Qwen3 decouples head_dim from hidden/heads; elsewhere keep the
-    # written head_dim consistent when the caller reshapes the model.
-    if shape_changed and "head_dim" not in overrides and family != "qwen3" and "head_dim" in config:
+    # Only Qwen3 (dense and MoE) and Gemma 3 decouple head_dim from hidden/heads; elsewhere
+    # keep the written head_dim consistent when the caller reshapes the model.
+    decoupled = family in ("qwen3", "qwen3_moe", "gemma3")
+    if shape_changed and "head_dim" not in overrides and not decoupled and "head_dim" in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    # A Gemma 3 with another layer count gets layer_types of that length, from its pattern.
+    if (
+        family == "gemma3"
+        and "num_hidden_layers" in overrides
+        and "layer_types" not in overrides
+        and config.get("layer_types") is not None
+    ):
+        config["layer_types"] = gemma3_layer_types(
+            config["num_hidden_layers"], config["sliding_window_pattern"]
+        )
+    if rope_form == "v5":
+        _rope_parameters(config)
+        config = dict(sorted(config.items()))
     return config
 
 
 def head_dim_of(config: Mapping[str, Any]) -> int:
     head_dim = config.get("head_dim")
     if head_dim is None:
+        if config["model_type"] == "gemma3_text":
+            return 256  # Gemma3TextConfig's default, not hidden/heads
         return int(config["hidden_size"]) // int(config["num_attention_heads"])
     return int(head_dim)
 
 
+# model_types whose attention_bias puts biases on q/k/v and o_proj alike.
+_ATTENTION_BIAS_TYPES = ("llama", "qwen3", "qwen3_moe", "gemma3_text")
+
+
 def has_qkv_bias(config: Mapping[str, Any]) -> bool:
-    """Qwen2 always has q/k/v biases; Llama/Qwen3 follow attention_bias;
-    Mistral has none."""
+    """Qwen2 always has q/k/v biases; Llama/Qwen3/Qwen3-MoE/Gemma 3 follow attention_bias;
+    Mistral and Mixtral have none."""
     family = config["model_type"]
     if family == "qwen2":
         return True
-    return family in ("llama", "qwen3") and bool(config.get("attention_bias", False))
+    return family in _ATTENTION_BIAS_TYPES and bool(config.get("attention_bias", False))
 
 
 def has_o_bias(config: Mapping[str, Any]) -> bool:
-    """attention_bias covers o_proj too in Llama/Qwen3, never in Qwen2."""
-    return config["model_type"] in ("llama", "qwen3") and bool(config.get("attention_bias", False))
+    """attention_bias covers o_proj too in Llama/Qwen3/Qwen3-MoE/Gemma 3, never in Qwen2."""
+    family = config["model_type"]
+    return family in _ATTENTION_BIAS_TYPES and bool(config.get("attention_bias", False))
+
+
+def qwen3_moe_sparse_layer(config: Mapping[str, Any], layer: int) -> bool:
+    """transformers' Qwen3MoeDecoderLayer rule: a layer has the experts unless it is in
+    mlp_only_layers, provided there are experts and (layer + 1) is a multiple of
+    decoder_sparse_step; otherwise it has a dense MLP of intermediate_size."""
+    return (
+        layer not in (config.get("mlp_only_layers") or [])
+        and int(config["num_experts"]) > 0
+        and (layer + 1) % int(config.get("decoder_sparse_step", 1)) == 0
+    )
+
+
+def moe_layout(
+    config: Mapping[str, Any], layer: int
+) -> tuple[str, int, int, tuple[str, ...]] | None:
+    """Where one layer's experts are, for the MoE families, as Hub checkpoints name them:
+    (the block's prefix under model.layers.N., number of experts, each one's width, its
+    gate/up/down projection names); None for a dense layer or a dense family."""
+    family = config["model_type"]
+    if family == "mixtral":
+        return (
+            "block_sparse_moe.",
+            int(config["num_local_experts"]),
+            int(config["intermediate_size"]),
+            ("w1", "w3", "w2"),
+        )
+    if family == "qwen3_moe" and qwen3_moe_sparse_layer(config, layer):
+        return (
+            "mlp.",
+            int(config["num_experts"]),
+            int(config["moe_intermediate_size"]),
+            ("gate_proj", "up_proj", "down_proj"),
+        )
+    return None
 
 
 # --------------------------------------------------------------------------
@@ -259,6 +546,7 @@ def make_weights(config: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarr
     family = config["model_type"]
     bias = has_qkv_bias(config)
     qk_std = QK_STD_TIMES_SQRT_HIDDEN / float(np.sqrt(hidden))
+    router_std = ROUTER_STD_TIMES_SQRT_HIDDEN / float(np.sqrt(hidden))
 
     def normal(shape: tuple[int, ...], std: float, mean: float = 0.0) -> np.ndarray:
         # In place: the 135M-parameter preset should not pay for temporaries.
@@ -271,8 +559,11 @@ def make_weights(config: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarr
     def matrix(rows: int, cols: int, std: float = MATRIX_STD) -> np.ndarray:
         return normal((rows, cols), std)
 
+    # Gemma scales by (1 + weight), so its weights sit around 0 to scale by about 1 as well.
+    norm_mean = 0.0 if family == "gemma3_text" else 1.0
+
     def norm(n: int) -> np.ndarray:
-        return normal((n,), NORM_STD, 1.0)
+        return normal((n,), NORM_STD, norm_mean)
 
     def vector(n: int) -> np.ndarray:
         return normal((n,), BIAS_STD)
@@ -291,13 +582,30 @@ def make_weights(config: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarr
         w[p + "self_attn.o_proj.weight"] = matrix(hidden, n_heads * head_dim)
         if has_o_bias(config):
             w[p + "self_attn.o_proj.bias"] = vector(hidden)
-        if family == "qwen3":
+        if family in ("qwen3", "qwen3_moe", "gemma3_text"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
-        w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+        if family == "gemma3_text":
+            # Gemma 3 also normalizes the MLP's input and output (the attention's output is
+            # post_attention_layernorm, its input input_layernorm).
+            w[p + "pre_feedforward_layernorm.weight"] = norm(hidden)
+            w[p + "post_feedforward_layernorm.weight"] = norm(hidden)
+        moe = moe_layout(config, i)
+        if moe is None:
+            w[p + "mlp.gate_proj.weight"] = matrix(inter, hidden)
+            w[p + "mlp.up_proj.weight"] = matrix(inter, hidden)
+            w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+        else:
+            # The router ([experts, hidden]) and one tensor per expert and projection, as the
+            # Hub's checkpoints store them (transformers 5 fuses them into 3-D tensors on load).
+            block, n_experts, width, (gate, up, down) = moe
+            w[p + block + "gate.weight"] = matrix(n_experts, hidden, router_std)
+            for e in range(n_experts):
+                q = f"{p}{block}experts.{e}."
+                w[q + gate + ".weight"] = matrix(width, hidden)
+                w[q + up + ".weight"] = matrix(width, hidden)
+                w[q + down + ".weight"] = matrix(hidden, width)
     w["model.norm.weight"] = norm(hidden)
     if not config.get("tie_word_embeddings", False):
         w["lm_head.weight"] = matrix(vocab, hidden)
@@ -550,19 +858,23 @@ def make_model(
     preset: str = "tiny",
     dtype: str = "f32",
     seed: int = 0,
+    *,
+    rope_form: str = "v4",
     **overrides: Any,
 ) -> pathlib.Path:
     """Write a complete Hugging Face model folder and return its path.
 
     `overrides` replace config.json fields (e.g. rope_scaling=None,
-    sliding_window=8, attention_bias=True, head_dim=32); `shards=N` is not a
+    sliding_window=8, attention_bias=True, head_dim=32, and for qwen3_moe
+    norm_topk_prob=False or mlp_only_layers=[]); `shards=N` is not a
     config field and splits the weights over N files plus an index;
     `tokenizer_vocab_size=N` trains the tokenizer to N tokens instead of the
-    config's vocab_size (a padded vocabulary, as in Qwen2).
+    config's vocab_size (a padded vocabulary, as in Qwen2); `rope_form="v5"`
+    writes RoPE as transformers 5 does (see ROPE_FORMS).
     """
     shards = int(overrides.pop("shards", 1))
     tokenizer_vocab = overrides.pop("tokenizer_vocab_size", _PRESET_TOKENIZER_VOCAB.get(preset))
-    config = build_config(family, preset, dtype, **overrides)
+    config = build_config(family, preset, dtype, rope_form=rope_form, **overrides)
     out_path = pathlib.Path(out)
     out_path.mkdir(parents=True, exist_ok=True)
 

@@ -745,6 +745,15 @@ impl CudaRunner {
                  GGUF and quantized models run on device=\"cpu\"",
             ));
         }
+        if c.family == crate::model::config::Family::Gemma3 || c.moe.is_some() {
+            return Err(StrataError::invalid(
+                "device",
+                format!(
+                    "the CUDA backend runs the Llama family only; {} runs on device=\"cpu\"",
+                    c.family.name()
+                ),
+            ));
+        }
         let ranges = crate::device::split::ranges(layer_counts);
         let last = devices.len().saturating_sub(1);
         let refused = |field: &str| {

@@ -106,6 +106,10 @@ impl StageWeights {
         for i in layers {
             let l = &model.layers[i];
             let name = |t: &str| format!("layer {i}'s {t}");
+            // The runner refuses mixture-of-experts models before any upload.
+            let mlp = l.dense_mlp().ok_or_else(|| {
+                CudaKernelError::Shape(format!("layer {i} has experts; the CUDA backend does not"))
+            })?;
             on_device.push(LayerOnDevice {
                 attn_norm: vector(stream, &l.attn_norm, &name("input norm"))?,
                 q_proj: matrix(stream, &l.q_proj, &name("q_proj"))?,
@@ -119,9 +123,9 @@ impl StageWeights {
                 q_norm: optional(stream, &l.q_norm, &name("q norm"))?,
                 k_norm: optional(stream, &l.k_norm, &name("k norm"))?,
                 mlp_norm: vector(stream, &l.mlp_norm, &name("post-attention norm"))?,
-                gate_proj: matrix(stream, &l.gate_proj, &name("gate_proj"))?,
-                up_proj: matrix(stream, &l.up_proj, &name("up_proj"))?,
-                down_proj: matrix(stream, &l.down_proj, &name("down_proj"))?,
+                gate_proj: matrix(stream, &mlp.gate_proj, &name("gate_proj"))?,
+                up_proj: matrix(stream, &mlp.up_proj, &name("up_proj"))?,
+                down_proj: matrix(stream, &mlp.down_proj, &name("down_proj"))?,
             });
         }
         let embed = first

@@ -1,13 +1,16 @@
 //! The model's hyper-parameters from GGUF metadata (`<arch>.*` keys), as a `ModelConfig`.
 
 use crate::error::Result;
-use crate::model::config::{Family, ModelConfig, MAX_HEADS, MAX_LAYERS, MAX_VOCAB};
+use crate::model::config::{
+    Activation, Family, LocalRope, ModelConfig, MoeConfig, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS,
+    MAX_VOCAB,
+};
 use crate::model::kernels::cpu::rope::{yarn_mscale, RopePairing, RopeScaling};
 
 use super::Metadata;
 
 /// Architectures read, by their `general.architecture` name. Mistral files use "llama".
-const ARCHITECTURES: &str = "llama, qwen2, qwen3";
+const ARCHITECTURES: &str = "llama, qwen2, qwen3, qwen3moe, gemma3";
 
 /// The config of the model `meta` describes. `vocab_size` is the token count of the tokenizer
 /// when the file has no `<arch>.vocab_size`; `tied` says whether the file lacks `output.weight`;
@@ -24,6 +27,8 @@ pub fn model_config(
         "llama" => (Family::Llama, RopePairing::Adjacent),
         "qwen2" => (Family::Qwen2, RopePairing::Half),
         "qwen3" => (Family::Qwen3, RopePairing::Half),
+        "qwen3moe" => (Family::Qwen3Moe, RopePairing::Half),
+        "gemma3" => (Family::Gemma3, RopePairing::Half),
         other => {
             return Err(meta.err(
                 "general.architecture",
@@ -178,6 +183,46 @@ pub fn model_config(
     let sliding_window = meta
         .usize_opt(&key("attention.sliding_window"))?
         .filter(|&w| w > 0);
+    let gemma = family == Family::Gemma3;
+    let moe = experts(meta, arch, num_layers)?;
+    // Mixtral files use the llama architecture, with experts.
+    let family = match (family, &moe) {
+        (Family::Llama, Some(_)) => Family::Mixtral,
+        _ => family,
+    };
+    // Gemma 3 files say neither which layers slide nor the sliding layers' RoPE base nor the
+    // attention scale: llama.cpp fixes them by architecture (with a window: every sixth layer
+    // global, the others on base 10000 unscaled; 1/sqrt(head size) but for the 27B's 62
+    // layers, whose query_pre_attn_scalar is hidden / heads), and so does this.
+    let gemma_window = gemma && sliding_window.is_some();
+    let sliding_layers = if gemma_window {
+        (0..num_layers).map(|l| (l + 1) % 6 != 0).collect()
+    } else {
+        vec![sliding_window.is_some(); num_layers]
+    };
+    let local_rope = if gemma_window {
+        let theta = meta.f64_opt(&key("rope.freq_base_swa"))?.unwrap_or(10000.0);
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(meta.err(&key("rope.freq_base_swa"), "must be a positive number"));
+        }
+        Some(LocalRope {
+            theta,
+            scaling: RopeScaling::None,
+        })
+    } else {
+        None
+    };
+    let query_pre_attn_scalar = if gemma && num_layers == 62 {
+        (hidden_size / num_heads) as f32
+    } else {
+        head_dim as f32
+    };
+    let final_logit_softcap = match meta.f64_opt(&key("final_logit_softcapping"))? {
+        Some(cap) if !(cap.is_finite() && cap > 0.0) => {
+            return Err(meta.err(&key("final_logit_softcapping"), "must be a positive number"))
+        }
+        cap => cap.map(|c| c as f32),
+    };
     Ok(ModelConfig {
         family,
         hidden_size,
@@ -195,8 +240,60 @@ pub fn model_config(
         tie_word_embeddings: tied,
         qkv_bias: family == Family::Qwen2,
         o_bias: false,
-        qk_norm: family == Family::Qwen3,
+        qk_norm: matches!(family, Family::Qwen3 | Family::Qwen3Moe | Family::Gemma3),
         sliding_window,
-        sliding_layers: vec![sliding_window.is_some(); num_layers],
+        sliding_layers,
+        activation: if gemma {
+            Activation::GeluTanh
+        } else {
+            Activation::Silu
+        },
+        embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
+        post_norms: gemma,
+        query_pre_attn_scalar,
+        final_logit_softcap,
+        local_rope,
+        moe,
     })
+}
+
+/// The experts `<arch>.expert_count` and its companions describe (None without experts).
+/// Which layers hold them is the file's tensors' to say (`Model::from_gguf`); here all do.
+fn experts(meta: &Metadata, arch: &str, num_layers: usize) -> Result<Option<MoeConfig>> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let num_experts = match meta.usize_opt(&key("expert_count"))? {
+        None | Some(0) => return Ok(None),
+        Some(n) if n > MAX_EXPERTS => {
+            return Err(meta.err(
+                &key("expert_count"),
+                format!("{n} is more than {MAX_EXPERTS}"),
+            ))
+        }
+        Some(n) => n,
+    };
+    let used = meta
+        .usize_opt(&key("expert_used_count"))?
+        .ok_or_else(|| meta.err(&key("expert_used_count"), "missing"))?;
+    if used == 0 || used > num_experts {
+        return Err(meta.err(
+            &key("expert_used_count"),
+            format!("{used} is not in 1..={num_experts}"),
+        ));
+    }
+    // Qwen3-MoE names the experts' width; Mixtral's is the feed-forward length.
+    let width = match meta.usize_opt(&key("expert_feed_forward_length"))? {
+        Some(w) => w,
+        None => meta.usize(&key("feed_forward_length"))?,
+    };
+    if width == 0 {
+        return Err(meta.err(&key("expert_feed_forward_length"), "must be > 0"));
+    }
+    Ok(Some(MoeConfig {
+        num_experts,
+        experts_per_token: used,
+        expert_intermediate_size: width,
+        // llama.cpp renormalizes the k weights of both unless the file says otherwise.
+        renormalize: meta.bool_opt(&key("expert_weights_norm"))?.unwrap_or(true),
+        sparse_layers: vec![true; num_layers],
+    }))
 }

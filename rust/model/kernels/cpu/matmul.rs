@@ -133,7 +133,7 @@ pub fn linear(
         linear_bf16dot(x, n, &mut [Bf16Out { w, bias, y }], &mut scratch.bf16);
         return;
     }
-    let isa = Isa::detect(matches!(w.data, WeightData::F16(_)));
+    let isa = Isa::detect();
     linear_with(isa, x, n, w, bias, y, scratch);
 }
 
@@ -186,7 +186,7 @@ pub fn linear_group(x: &[f32], n: usize, outs: &mut [LinearOut], scratch: &mut M
     let mut first_task = [0usize; GROUP_MAX + 1];
     for (i, o) in outs.iter_mut().enumerate() {
         check_shapes(x, n, o.w, o.bias, o.y);
-        let isa = Isa::detect(matches!(o.w.data, WeightData::F16(_)));
+        let isa = Isa::detect();
         jobs[i] = Some((isa, o.w, o.bias, SendPtr(o.y.as_mut_ptr())));
         first_task[i + 1] = first_task[i] + o.w.rows.div_ceil(rpt);
     }
@@ -336,25 +336,19 @@ enum Isa {
 }
 
 impl Isa {
-    /// The ISA for a weight dtype. Both drivers of one call use the same one (the panel driver
-    /// too, although it reads widened f32), so the arithmetic is one per (CPU, dtype).
-    fn detect(dtype_is_f16: bool) -> Isa {
+    /// The ISA of every call on this CPU. Both drivers of one call use the same one (the panel
+    /// driver too, although it reads widened f32), so the arithmetic is one per CPU.
+    fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-            {
+            let cpu = super::isa::cpu();
+            if cpu.avx512 {
                 return Isa::Avx512;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && (!dtype_is_f16 || is_x86_feature_detected!("f16c"))
-            {
+            if cpu.avx2 {
                 return Isa::Avx2;
             }
         }
-        let _ = dtype_is_f16;
         Isa::Scalar
     }
 }
@@ -1333,7 +1327,7 @@ fn convert_rows(data: WeightData, start: usize, dst: &mut [f32]) {
         WeightData::Bf16(d) => {
             let src = &d[start..start + len];
             #[cfg(target_arch = "x86_64")]
-            if Isa::detect(false) == Isa::Avx512 {
+            if Isa::detect() == Isa::Avx512 {
                 // SAFETY: AVX-512 F/BW/VL were detected; lengths are equal.
                 unsafe { x86::bf16_to_f32_avx512(src, dst) };
                 return;
@@ -1346,7 +1340,7 @@ fn convert_rows(data: WeightData, start: usize, dst: &mut [f32]) {
         WeightData::F16(d) => {
             let src = &d[start..start + len];
             #[cfg(target_arch = "x86_64")]
-            if Isa::detect(true) == Isa::Avx512 {
+            if Isa::detect() == Isa::Avx512 {
                 // SAFETY: AVX-512 F/BW/VL were detected; lengths are equal.
                 unsafe { x86::f16_to_f32_avx512(src, dst) };
                 return;
@@ -1551,7 +1545,7 @@ mod tests {
             check(&x, n, w, bias, &y);
             // Every ISA path this CPU has, including the ones dispatch would not pick, through
             // both drivers whatever n is: each is accurate, and the two agree to the bit.
-            for isa in available_isas(matches!(data, WeightData::F16(_))) {
+            for isa in available_isas() {
                 let mut y2 = vec![f32::NAN; n * m];
                 linear_stream(isa, &x, n, w, bias, &mut y2);
                 check(&x, n, w, bias, &y2);
@@ -1571,21 +1565,17 @@ mod tests {
         y.iter().map(|v| v.to_bits()).collect()
     }
 
-    fn available_isas(f16: bool) -> Vec<Isa> {
+    fn available_isas() -> Vec<Isa> {
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && (!f16 || is_x86_feature_detected!("f16c"))
-            {
+            if super::super::isa::cpu().avx2 {
                 v.push(Isa::Avx2);
             }
-            if Isa::detect(f16) == Isa::Avx512 {
+            if Isa::detect() == Isa::Avx512 {
                 v.push(Isa::Avx512);
             }
         }
-        let _ = f16;
         v
     }
 
@@ -1626,7 +1616,7 @@ mod tests {
         // More tasks than panels would need, odd panel height.
         let mut y2 = vec![0.0; n * m];
         linear_panels(
-            Isa::detect(false),
+            Isa::detect(),
             &x,
             n,
             w,
@@ -1721,7 +1711,7 @@ mod tests {
     #[test]
     fn reduction_trees_agree() {
         use std::arch::x86_64::*;
-        if Isa::detect(false) != Isa::Avx512 {
+        if Isa::detect() != Isa::Avx512 {
             return;
         }
         let mut rng = Rng(5);
@@ -1776,7 +1766,7 @@ mod tests {
                 rows: m,
                 cols: k,
             };
-            for isa in available_isas(matches!(data, WeightData::F16(_))) {
+            for isa in available_isas() {
                 for with_bias in [false, true] {
                     let bias = with_bias.then_some(&bias[..]);
                     let mut alone = vec![f32::NAN; m];
@@ -1927,7 +1917,7 @@ mod timing {
                 if m > 10000 && n > 1 {
                     break;
                 }
-                let isa = Isa::detect(false);
+                let isa = Isa::detect();
                 let ts = best(reps, || {
                     linear_stream(isa, &x[..n * k], n, mat, None, &mut y[..n * m])
                 });
@@ -1957,7 +1947,7 @@ mod timing {
     #[ignore]
     fn timing_prefill() {
         let threads = rayon::current_num_threads();
-        let isa = Isa::detect(false);
+        let isa = Isa::detect();
         for &(m, k) in &[
             (1536usize, 576usize),
             (576, 1536),
@@ -2039,7 +2029,7 @@ mod timing {
             let reps = if m > 10000 { 10 } else { 100 };
             for _ in 0..10 {
                 tk = tk.min(best(reps, || {
-                    linear_stream(Isa::detect(false), &x, 1, mat, None, &mut y)
+                    linear_stream(Isa::detect(), &x, 1, mat, None, &mut y)
                 }));
                 tr = tr.min(best(reps, || {
                     std::hint::black_box(read_all(&raw));

@@ -26,15 +26,7 @@ use std::arch::x86_64::*;
 
 /// Whether this CPU has the instructions (AVX-512 F/BW/VL and BF16).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    super::isa::cpu().avx512_bf16
 }
 
 /// The activation rows rounded to bf16, allocated once at model load.

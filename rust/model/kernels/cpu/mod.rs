@@ -6,12 +6,15 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod geglu;
+pub mod isa;
 pub mod kv_q8;
 pub mod matmul;
 pub mod matmul_bf16dot;
 pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
+pub mod router;
 pub mod swiglu;
 #[cfg(test)]
 pub(crate) mod test_rng;

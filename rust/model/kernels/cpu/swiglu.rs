@@ -24,12 +24,13 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
 fn silu_mul_dispatch(gate: &mut [f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f") {
+        let cpu = super::isa::cpu();
+        if cpu.avx512 {
             // SAFETY: feature detected.
             unsafe { silu_mul_avx512(gate, up) };
             return;
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if cpu.avx2 {
             // SAFETY: features detected.
             unsafe { silu_mul_avx2(gate, up) };
             return;

@@ -29,7 +29,11 @@
 //! (block of rows, K/V head) that walks its segments in order. All give the same bits.
 
 #[cfg(target_arch = "x86_64")]
+mod row_avx2;
+#[cfg(target_arch = "x86_64")]
 mod row_avx512;
+#[cfg(target_arch = "x86_64")]
+mod tile_at;
 
 use super::kv_q8;
 use super::swiglu::fast_exp;
@@ -252,18 +256,11 @@ enum Isa {
 fn detect_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("f16c")
-            && is_x86_feature_detected!("fma")
-        {
+        let cpu = super::isa::cpu();
+        if cpu.avx512 {
             return Isa::Avx512;
         }
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        if cpu.avx2 {
             return Isa::Avx2;
         }
     }
@@ -860,9 +857,9 @@ struct Geom {
 /// A layer's K/V as the kernel reads it: tiles of keys and rows of values widened to f32 (in
 /// the same values whatever the ISA `W`).
 trait KvSource: Copy + Send + Sync {
-    /// How [`row_avx512`] reads a tile in place.
+    /// How [`row_avx512`] and [`row_avx2`] read a tile in place.
     #[cfg(target_arch = "x86_64")]
-    type Tile: row_avx512::TileRead;
+    type Tile: row_avx512::TileRead + row_avx2::TileRead;
 
     /// Where keys `r0..r0 + LANES` of block `block` (`bs % LANES == 0`), K/V head `g`, and their
     /// value rows lie, for a row read in place.
@@ -901,14 +898,14 @@ struct Elems<'a, E> {
 
 impl<E: KvElem> KvSource for Elems<'_, E> {
     #[cfg(target_arch = "x86_64")]
-    type Tile = row_avx512::TileAt<E>;
+    type Tile = tile_at::TileAt<E>;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn tile_at(&self, geo: Geom, block: usize, r0: usize, g: usize) -> Self::Tile {
         let Geom { bs, kvh, hd } = geo;
         let slot = block * bs + r0;
-        row_avx512::TileAt {
+        tile_at::TileAt {
             k: self.k.as_ptr().add(k_index(slot, g, 0, bs, kvh, hd)),
             k_stride: bs,
             v: self.v.as_ptr().add((slot * kvh + g) * hd),
@@ -957,7 +954,7 @@ struct Q8<'a> {
 
 impl KvSource for Q8<'_> {
     #[cfg(target_arch = "x86_64")]
-    type Tile = row_avx512::Q8TileAt;
+    type Tile = tile_at::Q8TileAt;
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -965,7 +962,7 @@ impl KvSource for Q8<'_> {
         let Geom { bs, kvh, hd } = geo;
         // The (block, head) chunk: q `[hd][bs]`, then scales `[groups][bs]`.
         let chunk = self.k.as_ptr().add(kv_q8::k_chunk(block, g, bs, kvh, hd));
-        row_avx512::Q8TileAt {
+        tile_at::Q8TileAt {
             k_q: chunk.add(r0).cast(),
             k_stride: bs,
             k_scales: chunk.add(hd * bs + 2 * r0),
@@ -1230,17 +1227,29 @@ fn segment_pass<W: Widen, S: KvSource>(
     qt: Option<&[f32]>,
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
+    // One row (two or more take the lanes path with `qt`) reads its tiles in place where the
+    // ISA has a kernel for it and the tiles lie in single blocks.
     #[cfg(target_arch = "x86_64")]
-    if W::QUERY_LANES == LANES && qt.is_none() && bs.is_multiple_of(LANES) {
-        // One row on AVX-512 (two or more take the lanes path with `qt`): read in place.
-        debug_assert_eq!(parts.len(), 1);
-        if parts[0].0 <= parts[0].1 {
-            // SAFETY: W = Avx512, so the CPU has the features (detect_isa); the part's keys are
-            // at most the row's position, so their blocks are in its table and in the cache
-            // (checked on entry); accs[0] holds the group's accumulators.
-            unsafe { row_in_place(c, first, parts[0], g, &mut *accs[0], &mut states[0]) };
+    if W::QUERY_LANES > 0 && qt.is_none() && bs.is_multiple_of(LANES) {
+        let avx512 = W::QUERY_LANES == LANES;
+        if avx512 || hd.is_multiple_of(8) {
+            debug_assert_eq!(parts.len(), 1);
+            if parts[0].0 <= parts[0].1 {
+                let (acc, st) = (&mut *accs[0], &mut states[0]);
+                // SAFETY: W = Avx512 (16 query lanes) or Avx2 (8), so the CPU has the
+                // features (detect_isa), and the AVX2 kernel's hd is a multiple of 8; the
+                // part's keys are at most the row's position, so their blocks are in its table
+                // and in the cache (checked on entry); accs[0] holds the group's accumulators.
+                unsafe {
+                    if avx512 {
+                        row_in_place_avx512(c, first, parts[0], g, acc, st)
+                    } else {
+                        row_in_place_avx2(c, first, parts[0], g, acc, st)
+                    }
+                };
+            }
+            return;
         }
-        return;
     }
     let table = c.table(first);
     let geo = Geom { bs, kvh, hd };
@@ -1333,17 +1342,68 @@ fn segment_pass<W: Widen, S: KvSource>(
     }
 }
 
-/// Keys `part` (inside one segment) of row `t`, K/V head `g`, tile by tile, read in place
-/// ([`row_avx512`]): what [`segment_pass`] computes for one row from widened tiles, to the bit.
-/// The tile [`PREFETCH_TILES`] ahead (up to the row's last key, into its next segment) is
-/// prefetched into L2.
+/// A kernel that computes one tile for one row read in place: [`row_avx512`] or [`row_avx2`].
+#[cfg(target_arch = "x86_64")]
+trait InPlace {
+    /// [`row_avx512::tile_step_in_place`]'s contract, for this kernel's ISA.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn step<T: row_avx512::TileRead + row_avx2::TileRead, const N: usize>(
+        q: &[f32],
+        h0: usize,
+        hd: usize,
+        at: T,
+        lanes: (usize, usize),
+        scale: f32,
+        acc: &mut [f32],
+        st: &mut State,
+    ) -> usize;
+}
+
+#[cfg(target_arch = "x86_64")]
+struct InPlaceAvx512;
+#[cfg(target_arch = "x86_64")]
+impl InPlace for InPlaceAvx512 {
+    #[inline(always)]
+    unsafe fn step<T: row_avx512::TileRead + row_avx2::TileRead, const N: usize>(
+        q: &[f32],
+        h0: usize,
+        hd: usize,
+        at: T,
+        lanes: (usize, usize),
+        scale: f32,
+        acc: &mut [f32],
+        st: &mut State,
+    ) -> usize {
+        row_avx512::tile_step_in_place::<T, N>(q, h0, hd, at, lanes, scale, acc, st)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct InPlaceAvx2;
+#[cfg(target_arch = "x86_64")]
+impl InPlace for InPlaceAvx2 {
+    #[inline(always)]
+    unsafe fn step<T: row_avx512::TileRead + row_avx2::TileRead, const N: usize>(
+        q: &[f32],
+        h0: usize,
+        hd: usize,
+        at: T,
+        lanes: (usize, usize),
+        scale: f32,
+        acc: &mut [f32],
+        st: &mut State,
+    ) -> usize {
+        row_avx2::tile_step_in_place::<T, N>(q, h0, hd, at, lanes, scale, acc, st)
+    }
+}
+
+/// [`row_in_place`] on AVX-512.
 ///
 /// # Safety
-/// AVX-512F/BW/VL, F16C and FMA; `bs % LANES == 0`; the part's keys are visible
-/// to the row; `acc` holds `group * hd` floats.
+/// As [`row_in_place`]; AVX-512F/BW/VL, F16C and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn row_in_place<S: KvSource>(
+unsafe fn row_in_place_avx512<S: KvSource>(
     c: &Ctx<S>,
     t: usize,
     part: (usize, usize),
@@ -1351,29 +1411,67 @@ unsafe fn row_in_place<S: KvSource>(
     acc: &mut [f32],
     st: &mut State,
 ) {
-    use row_avx512::{tile_step_in_place as step, TileRead};
+    row_in_place::<S, InPlaceAvx512>(c, t, part, g, acc, st)
+}
+
+/// [`row_in_place`] on AVX2.
+///
+/// # Safety
+/// As [`row_in_place`]; AVX2, F16C and FMA; `hd` is a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn row_in_place_avx2<S: KvSource>(
+    c: &Ctx<S>,
+    t: usize,
+    part: (usize, usize),
+    g: usize,
+    acc: &mut [f32],
+    st: &mut State,
+) {
+    row_in_place::<S, InPlaceAvx2>(c, t, part, g, acc, st)
+}
+
+/// Keys `part` (inside one segment) of row `t`, K/V head `g`, tile by tile, read in place by
+/// `P`'s kernel: what [`segment_pass`] computes for one row from widened tiles, to the bit.
+/// The tile [`PREFETCH_TILES`] ahead (up to the row's last key, into its next segment) is
+/// prefetched into L2.
+///
+/// # Safety
+/// `bs % LANES == 0`; the part's keys are visible to the row; `acc` holds `group * hd` floats;
+/// inlined into a function with `P`'s features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_in_place<S: KvSource, P: InPlace>(
+    c: &Ctx<S>,
+    t: usize,
+    part: (usize, usize),
+    g: usize,
+    acc: &mut [f32],
+    st: &mut State,
+) {
+    use tile_at::TileLocation;
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     let geo = Geom { bs, kvh, hd };
     let table = c.table(t);
     let q = c.q_group(t, g);
     let (lo, hi) = part;
     let last = visible(&c.rows[t], c.window).1;
-    let at = |t0: usize| c.kv.tile_at(geo, table[t0 / bs] as usize, t0 % bs, g);
     let mut t0 = lo / LANES * LANES;
     while t0 <= hi {
         let ahead = t0 + PREFETCH_TILES * LANES;
         if ahead <= last {
-            at(ahead).prefetch(hd);
+            c.kv.tile_at(geo, table[ahead / bs] as usize, ahead % bs, g)
+                .prefetch(hd);
         }
-        let tile = at(t0);
+        let tile = c.kv.tile_at(geo, table[t0 / bs] as usize, t0 % bs, g);
         let lanes = (lo.max(t0) - t0, hi.min(t0 + LANES - 1) - t0);
         let mut h = 0;
         while h < group {
             h += match group - h {
-                1 => step::<S::Tile, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
-                2 => step::<S::Tile, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
-                3 => step::<S::Tile, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
-                _ => step::<S::Tile, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
+                1 => P::step::<S::Tile, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
+                2 => P::step::<S::Tile, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
+                3 => P::step::<S::Tile, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
+                _ => P::step::<S::Tile, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
             };
         }
         t0 += LANES;
@@ -2220,10 +2318,7 @@ mod tests {
         let mut v = vec![Isa::Plain];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if super::super::isa::cpu().avx2 {
                 v.push(Isa::Avx2);
             }
             if detect_isa() == Isa::Avx512 {
@@ -2680,6 +2775,75 @@ mod tests {
             &[Dt::F16, Dt::Q8_0],
             None,
         );
+    }
+
+    /// A row read in place (decode, split-K segments) gives the portable build's bits for every
+    /// group size the kernels unroll (1 to 4 heads, and 5 = 4 + 1), head dimensions that are
+    /// and are not a multiple of 8 (the AVX2 kernel's condition), blocks of 16 and 32 keys, with
+    /// and without split-K, in every K/V format.
+    #[test]
+    fn in_place_rows_equal_the_portable_build() {
+        let mut rng = Rng(77);
+        for (group, hd, bs) in [
+            (1, 64, 16),
+            (2, 128, 32),
+            (4, 64, 16),
+            (5, 40, 16),
+            (5, 72, 32),
+        ] {
+            let (kvh, len) = (2usize, 700usize);
+            let n_heads = group * kvh;
+            let blocks = len.div_ceil(bs);
+            // The blocks in reverse: the table is not the identity.
+            let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+            let n = blocks * bs * kvh * hd;
+            let k: Vec<f32> = (0..n).map(|_| rng.next() * 2.0).collect();
+            let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+            let stored = Stored::new(k, v, bs, kvh, hd);
+            let q: Vec<f32> = (0..n_heads * hd).map(|_| rng.next() * 2.0).collect();
+            // A position inside a tile, so the last tile has invisible lanes.
+            let rows = [AttnRow {
+                pos: (len - 6) as u32,
+                table_start: 0,
+                table_len: blocks as u32,
+            }];
+            let scale = 1.0 / (hd as f32).sqrt();
+            for dt in DTS {
+                let kv = stored.layer(dt);
+                let run = |isa: Isa, split: Split| {
+                    let mut out = vec![f32::NAN; q.len()];
+                    let mut scratch = AttnScratch::new(1, n_heads, hd, 2);
+                    paged_attention_with(
+                        &q,
+                        &rows,
+                        &tables,
+                        &kv,
+                        n_heads,
+                        scale,
+                        None,
+                        &mut out,
+                        &mut scratch,
+                        isa,
+                        split,
+                    );
+                    out
+                };
+                let portable = run(Isa::Plain, Split::Never);
+                for isa in isas() {
+                    for split in [Split::Never, Split::Auto] {
+                        let got = run(isa, split);
+                        for (i, (a, b)) in portable.iter().zip(&got).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{isa:?} {split:?} {dt:?} group {group} hd {hd} bs {bs} at {i}: \
+                                 {b} vs the portable {a}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     fn batch_invariance(

@@ -14,7 +14,7 @@
 //!
 //! Tiles: one group of 16 rows x `T` tokens, the group's records read once per tile from
 //! memory (one stream, prefetched [`PREFETCH_BYTES`] ahead) and from cache for the next token
-//! tiles.
+//! tiles. The 32-weight types' kernel, [`super::avx2_x16_b32`], shares these.
 
 use super::activation::Act;
 use super::avx2::step;
@@ -26,10 +26,10 @@ use std::arch::x86_64::*;
 /// How far ahead of its reads a tile prefetches its group's stream: with one stream per
 /// thread the hardware prefetcher alone left the decode short of the read bandwidth (figures
 /// in docs/benchmarks.md).
-const PREFETCH_BYTES: usize = 4096;
+pub(super) const PREFETCH_BYTES: usize = 4096;
 
 /// Tokens per tile.
-const TILE_TOKENS: usize = 4;
+pub(super) const TILE_TOKENS: usize = 4;
 
 /// Rows `r0..r1` (`r0` a multiple of [`GROUP`]) of the interleaved `w` for all tokens of `act`.
 ///
@@ -86,6 +86,16 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
     } else {
         group_q6_k::<T>(group, act, t0)
     };
+    store(&acc, out, t0, r0, vr);
+}
+
+/// A group's accumulators (`[token][half]`, tokens from `t0`), stored for its `vr` rows.
+///
+/// # Safety
+/// As [`rows`]: those outputs belong to the caller.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn store(acc: &[[__m256; 2]], out: Out, t0: usize, r0: usize, vr: usize) {
     for (t, halves) in acc.iter().enumerate() {
         let mut lanes = [0f32; GROUP];
         _mm256_storeu_ps(lanes.as_mut_ptr(), halves[0]);
@@ -99,7 +109,7 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
 /// Four activation bytes of token row `x` at `off`, in every lane.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn bcast(x: *const i8, off: usize) -> __m256i {
+pub(super) unsafe fn bcast(x: *const i8, off: usize) -> __m256i {
     _mm256_set1_epi32((x.add(off) as *const i32).read_unaligned())
 }
 
@@ -119,7 +129,7 @@ unsafe fn pairs<const SIGNED: bool>(a: *const u8, b: *const u8) -> __m256i {
 /// The f16 values at `p` (8 of them, one per row), widened.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn rows_f16(p: *const u8) -> __m256 {
+pub(super) unsafe fn rows_f16(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
 }
 

@@ -1,21 +1,23 @@
-//! The interleaved layout of Q4_K and Q6_K matrices: the same blocks, the same bits per weight,
-//! stored so that a group of 16 rows is one sequential stream with its rows in vector lanes.
+//! The interleaved layout of quantized matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): the same
+//! blocks, the same bits per weight, stored so that a group of 16 rows is one sequential stream
+//! with its rows in vector lanes.
 //!
 //! In ggml's row-major layout a register tile of 16 rows reads block by block with a stride of
 //! one row between reads (16 short streams the hardware prefetcher does not follow) and must
 //! reduce each row's vector of partial sums across lanes. Interleaved, rows `16g .. 16g + 16`
-//! are stored super-block by super-block (`record(g, b)`: block `b` of all 16 rows together),
-//! and inside a record every field of the 16 blocks is laid out with row `i` in the 4-byte lane
-//! `i` of a 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes
-//! broadcast to all lanes then gives each row's sum in its own lane, with no reduction. The
-//! AVX-512 VNNI kernel that reads it is [`super::avx512_x16`]; the AVX2 one,
-//! [`super::avx2_x16`], reads each record's vectors as two halves of 8 rows (32 bytes, one
-//! 4-byte lane per row). The scalar path reads a block back in ggml's layout ([`block_of`]) and
-//! computes the same bits.
+//! are stored block by block (`record(g, b)`: block `b` of all 16 rows together), and inside a
+//! record every field of the 16 blocks is laid out with row `i` in the 4-byte lane `i` of a
+//! 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes broadcast to
+//! all lanes then gives each row's sum in its own lane, with no reduction. The AVX-512 VNNI
+//! kernel that reads it is [`super::avx512_x16`] (Q4_K, Q6_K); the AVX2 ones,
+//! [`super::avx2_x16`] (Q4_K, Q6_K) and [`super::avx2_x16_b32`] (Q4_0, Q4_1, Q8_0), read each
+//! record's vectors as two halves of 8 rows (32 bytes, one 4-byte lane per row). The scalar
+//! path reads a block back in ggml's layout ([`block_of`]) and computes the same bits.
 //!
 //! A matrix whose row count is not a multiple of 16 is padded with zero rows (never stored to
-//! an output). Only the CPU's kernels read this layout: the weights are interleaved at load when
-//! they run on an x86 CPU with AVX2 or AVX-512 VNNI ([`wanted`]).
+//! an output). Only the CPU's kernels read this layout, and only for the types their
+//! instruction set has an interleaved kernel for ([`supported`]): the weights are interleaved
+//! at load for those ([`wanted`]).
 //!
 //! Records, `16 * block_bytes` bytes (`i`: row within the group, `j`: byte within the lane):
 //!
@@ -29,24 +31,51 @@
 //!       q[32s + 4k + j] (low nibble)              | q[16s + 8v + 4 + j] (high nibble);
 //!       | q[32s + 16 + 4k + j] (high)             qh at + 128: byte 4i + j holds the top
 //!                                                 2 bits of q[16s + 4t + j] at bits 2t
+//!
+//! Q4_0 (288 bytes), Q4_1 (320 bytes)      Q8_0 (544 bytes)
+//!    0  d[16] (f16)                          0  d[16] (f16)
+//!   32  Q4_1: m[16] (f16)                   32  qs: vector k (k = 0..7) at 32 + 64k:
+//!   qs (Q4_0: at 32, Q4_1: at 64):                byte 4i + j = q[4k + j] (i8)
+//!       vector k (k = 0..3) at + 64k:
+//!       byte 4i + j = q[4k + j] (low nibble)
+//!       | q[16 + 4k + j] (high nibble)
 //! ```
 //!
-//! Each record reads front to back: one stream per group, which the hardware prefetches.
+//! (A Q4_0 / Q4_1 lane byte is ggml's own byte `qs[4k + j]`: ggml packs weights `l` and
+//! `l + 16` into one byte already.) Each record reads front to back: one stream per group,
+//! which the hardware prefetches.
 
+use super::linear::Isa;
 use super::QuantType;
 
 /// Rows per group.
 pub const GROUP: usize = 16;
 
-/// Whether `ty` has an interleaved layout (and its kernel).
-pub fn supported(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_K | QuantType::Q6_K)
+/// Whether `ty` has an interleaved layout ([`interleave`] and [`block_of`] read and write it).
+pub fn has_layout(ty: QuantType) -> bool {
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+    )
 }
 
-/// Whether this CPU's kernels read the interleaved layout (the weights are interleaved at load
-/// then); the other paths would read it block by block, slower than ggml's layout.
-pub fn wanted() -> bool {
-    super::linear::Isa::detect().reads_interleaved()
+/// Whether `isa` has a kernel for `ty` interleaved. The AVX-512 VNNI one reads Q4_K and Q6_K
+/// only (its row-major kernels read the 32-weight types); the others would read the layout
+/// block by block, rebuilt, slower than ggml's.
+pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => matches!(ty, QuantType::Q4_K | QuantType::Q6_K),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => has_layout(ty),
+        Isa::Scalar => false,
+    }
+}
+
+/// Whether this CPU's kernels read `ty` interleaved (the matrices of `ty` are interleaved at
+/// load then).
+pub fn wanted(ty: QuantType) -> bool {
+    supported(ty, Isa::detect())
 }
 
 /// Bytes of a `[rows, cols]` matrix of `ty`, interleaved: the rows padded to whole groups.
@@ -62,12 +91,12 @@ pub fn record_offset(ty: QuantType, cols: usize, r: usize, b: usize) -> usize {
     (r / GROUP) * GROUP * (cols / ty.block_elems()) * bb + b * GROUP * bb
 }
 
-/// `src` (`rows` rows of ggml blocks of `ty`, `supported(ty)`) in the interleaved layout, into
+/// `src` (`rows` rows of ggml blocks of `ty`, `has_layout(ty)`) in the interleaved layout, into
 /// `dst` (`interleaved_len` bytes).
 pub fn interleave(ty: QuantType, src: &[u8], rows: usize, cols: usize, dst: &mut [u8]) {
     use rayon::prelude::*;
     assert!(
-        supported(ty),
+        has_layout(ty),
         "interleave: no interleaved layout for {ty:?}"
     );
     let (bb, rb) = (ty.block_bytes(), ty.row_bytes(cols).expect("whole blocks"));
@@ -97,7 +126,8 @@ pub fn interleave(ty: QuantType, src: &[u8], rows: usize, cols: usize, dst: &mut
                 });
                 match ty {
                     QuantType::Q4_K => record_q4_k(&blocks, rec),
-                    _ => record_q6_k(&blocks, rec),
+                    QuantType::Q6_K => record_q6_k(&blocks, rec),
+                    _ => record_b32(ty, &blocks, rec),
                 }
             }
         });
@@ -111,7 +141,46 @@ pub fn block_of(ty: QuantType, data: &[u8], cols: usize, r: usize, b: usize, out
     match ty {
         QuantType::Q4_K => block_q4_k(rec, i, out),
         QuantType::Q6_K => block_q6_k(rec, i, out),
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 => block_b32(ty, rec, i, out),
         _ => panic!("block_of: no interleaved layout for {ty:?}"),
+    }
+}
+
+/// Where the 32-weight types' fields are: (`m` in the block, in the record) for Q4_1, then
+/// (`qs` in the block, in the record) and the record's quant vectors of 64 bytes.
+fn fields_b32(ty: QuantType) -> (Option<(usize, usize)>, (usize, usize), usize) {
+    match ty {
+        QuantType::Q4_0 => (None, (2, 32), 4),
+        QuantType::Q4_1 => (Some((2, 32)), (4, 64), 4),
+        QuantType::Q8_0 => (None, (2, 32), 8),
+        _ => unreachable!("not an interleaved 32-weight type: {ty:?}"),
+    }
+}
+
+/// Q4_0, Q4_1, Q8_0: the f16 fields 2 bytes per row, the quant bytes 4 per row and vector.
+fn record_b32(ty: QuantType, blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
+    let (m, (qb, qr), vectors) = fields_b32(ty);
+    for (i, blk) in blocks.iter().enumerate() {
+        rec[2 * i..2 * i + 2].copy_from_slice(&blk[0..2]);
+        if let Some((mb, mr)) = m {
+            rec[mr + 2 * i..mr + 2 * i + 2].copy_from_slice(&blk[mb..mb + 2]);
+        }
+        for k in 0..vectors {
+            let at = qr + 64 * k + 4 * i;
+            rec[at..at + 4].copy_from_slice(&blk[qb + 4 * k..qb + 4 * k + 4]);
+        }
+    }
+}
+
+fn block_b32(ty: QuantType, rec: &[u8], i: usize, out: &mut [u8]) {
+    let (m, (qb, qr), vectors) = fields_b32(ty);
+    out[0..2].copy_from_slice(&rec[2 * i..2 * i + 2]);
+    if let Some((mb, mr)) = m {
+        out[mb..mb + 2].copy_from_slice(&rec[mr + 2 * i..mr + 2 * i + 2]);
+    }
+    for k in 0..vectors {
+        let at = qr + 64 * k + 4 * i;
+        out[qb + 4 * k..qb + 4 * k + 4].copy_from_slice(&rec[at..at + 4]);
     }
 }
 
@@ -248,21 +317,40 @@ mod tests {
     use super::*;
     use crate::model::kernels::cpu::test_rng::Rng;
 
-    /// Random bytes are valid blocks of both types (every bit pattern is), so a round trip of
-    /// random data checks every bit of every field.
+    const TYPES: [QuantType; 5] = [
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ];
+
+    /// Random bytes are valid blocks of every type here (every bit pattern is), so a round
+    /// trip of random data checks every bit of every field.
     #[test]
     fn every_block_reads_back_as_it_was() {
         let mut rng = Rng(7);
-        for ty in [QuantType::Q4_K, QuantType::Q6_K] {
-            for &(rows, cols) in &[(16usize, 256usize), (37, 512), (5, 768), (48, 256)] {
-                let rb = ty.row_bytes(cols).unwrap();
+        assert!(TYPES.into_iter().all(has_layout));
+        assert!(!has_layout(QuantType::Q5_0) && !has_layout(QuantType::Q5_K));
+        for ty in TYPES {
+            for &(rows, cols) in &[
+                (16usize, 256usize),
+                (37, 512),
+                (5, 768),
+                (48, 256),
+                (21, 96),
+                (16, 32),
+            ] {
+                let Some(rb) = ty.row_bytes(cols) else {
+                    continue;
+                };
                 let src: Vec<u8> = (0..rows * rb).map(|_| rng.next_u() as u8).collect();
                 let mut dst = vec![0xAAu8; interleaved_len(ty, rows, cols).unwrap()];
                 interleave(ty, &src, rows, cols, &mut dst);
                 let bb = ty.block_bytes();
                 let mut out = vec![0u8; bb];
                 for r in 0..rows.div_ceil(GROUP) * GROUP {
-                    for b in 0..cols / 256 {
+                    for b in 0..cols / ty.block_elems() {
                         block_of(ty, &dst, cols, r, b, &mut out);
                         if r < rows {
                             let want = &src[r * rb + b * bb..r * rb + (b + 1) * bb];
@@ -305,5 +393,32 @@ mod tests {
         assert_eq!(dst[288 + 192 * 3 + 64 + 4 * 9 + 1] & 15, q & 15);
         assert_eq!((dst[288 + 192 * 3 + 128 + 4 * 9 + 1] >> 4) & 3, q >> 4);
         assert_eq!(dst[32 + 16 * 11 + 9], blk[192 + 11]);
+        // Q4_0 / Q4_1: row 5, weight 16 + 4 * 2 + 3 = 27 is the high nibble of vector 2, lane
+        // 5, byte 3 (ggml's byte 11); Q4_1's m of row 5 after the 16 d.
+        for (ty, qs, qb) in [(QuantType::Q4_0, 32, 2), (QuantType::Q4_1, 64, 4)] {
+            let bb = ty.block_bytes();
+            let src: Vec<u8> = (0..16 * bb).map(|_| rng.next_u() as u8).collect();
+            let mut dst = vec![0u8; interleaved_len(ty, 16, 32).unwrap()];
+            interleave(ty, &src, 16, 32, &mut dst);
+            let blk = &src[5 * bb..6 * bb];
+            let mut u = super::super::Unpacked::new();
+            super::super::unpack(ty, blk, &mut u);
+            let offset = if ty == QuantType::Q4_0 { 8 } else { 0 };
+            let v = dst[qs + 64 * 2 + 4 * 5 + 3];
+            assert_eq!((v >> 4) as i8 - offset, u.q[27]);
+            assert_eq!(v, blk[qb + 11]);
+            assert_eq!(dst[10..12], blk[0..2]);
+            if ty == QuantType::Q4_1 {
+                assert_eq!(dst[32 + 10..32 + 12], blk[2..4]);
+            }
+        }
+        // Q8_0: row 9, weight 4 * 6 + 1 = 25 is vector 6, lane 9, byte 1.
+        let ty = QuantType::Q8_0;
+        let src: Vec<u8> = (0..16 * 34).map(|_| rng.next_u() as u8).collect();
+        let mut dst = vec![0u8; interleaved_len(ty, 16, 32).unwrap()];
+        interleave(ty, &src, 16, 32, &mut dst);
+        let blk = &src[9 * 34..10 * 34];
+        assert_eq!(dst[32 + 64 * 6 + 4 * 9 + 1], blk[2 + 25]);
+        assert_eq!(dst[18..20], blk[0..2]);
     }
 }

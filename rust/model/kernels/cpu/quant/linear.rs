@@ -20,8 +20,9 @@
 //!
 //! **Paths.** AVX-512 VNNI ([`super::avx512`]), AVX2 ([`super::avx2`]) and scalar, chosen at run
 //! time per call; a type an instruction set has no kernel for takes the scalar path (same bits).
-//! Interleaved matrices ([`super::interleave`]) take [`super::avx512_x16`] or
-//! [`super::avx2_x16`].
+//! Interleaved matrices ([`super::interleave`]) take [`super::avx512_x16`],
+//! [`super::avx2_x16`] or [`super::avx2_x16_b32`] where the instruction set has a kernel for
+//! the type ([`super::interleave::supported`]), else the scalar path.
 //! Output rows are split into rayon tasks; a group of products of the same input
 //! ([`linear_quant_group`]) is one parallel loop over all their row chunks.
 //!
@@ -48,7 +49,8 @@ pub struct QuantMatRef<'a> {
 pub enum Layout {
     /// ggml's: row after row, each a run of blocks (what GGUF files hold).
     Rows,
-    /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_K, Q6_K).
+    /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_0, Q4_1, Q8_0, Q4_K,
+    /// Q6_K).
     Interleaved,
 }
 
@@ -143,30 +145,14 @@ pub(super) enum Isa {
 }
 
 impl Isa {
-    /// Whether this path has kernels for the interleaved layout (the others read it block by
-    /// block, rebuilt, through the scalar path).
-    pub(super) fn reads_interleaved(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        if matches!(self, Isa::Avx512Vnni | Isa::Avx2) {
-            return true;
-        }
-        false
-    }
-
     pub(super) fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-            {
+            let cpu = super::super::isa::cpu();
+            if cpu.avx512_vnni {
                 return Isa::Avx512Vnni;
             }
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if cpu.avx2 {
                 return Isa::Avx2;
             }
         }
@@ -179,10 +165,7 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-            {
+            if super::super::isa::cpu().avx2 {
                 v.push(Isa::Avx2);
             }
             if Isa::detect() == Isa::Avx512Vnni {
@@ -208,7 +191,7 @@ fn check_shapes(x: &[f32], n: usize, w: &QuantMatRef, bias: Option<&[f32]>, y: &
         Layout::Rows => w.rows,
         Layout::Interleaved => {
             assert!(
-                super::interleave::supported(w.ty),
+                super::interleave::has_layout(w.ty),
                 "linear_quant: {} has no interleaved layout",
                 w.ty.name()
             );
@@ -383,11 +366,19 @@ pub(super) unsafe fn rows_dispatch(
     out: Out,
 ) {
     if w.layout == Layout::Interleaved {
+        // A type the path has no interleaved kernel for is read block by block, rebuilt.
+        if !super::interleave::supported(w.ty, isa) {
+            rows_scalar(w, r0, r1, act, out);
+            return;
+        }
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => super::avx512_x16::rows(w, r0, r1, act, out),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => super::avx2_x16::rows(w, r0, r1, act, out),
+            Isa::Avx2 => match w.ty {
+                QuantType::Q4_K | QuantType::Q6_K => super::avx2_x16::rows(w, r0, r1, act, out),
+                _ => super::avx2_x16_b32::rows(w, r0, r1, act, out),
+            },
             Isa::Scalar => rows_scalar(w, r0, r1, act, out),
         }
         return;
@@ -609,7 +600,13 @@ mod tests {
         use super::super::interleave::{interleave, interleaved_len};
         let mut rng = Rng(31);
         let pools = thread_pools(&[1, 2]);
-        for ty in [QuantType::Q4_K, QuantType::Q6_K] {
+        for ty in [
+            QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q8_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ] {
             for &(n, m, k) in &[
                 (1usize, 37usize, 768usize),
                 (2, 16, 256),
@@ -618,7 +615,13 @@ mod tests {
                 (7, 33, 768),
                 (18, 5, 256),
                 (100, 64, 512),
+                (1, 16, 32),
+                (5, 19, 96),
+                (6, 40, 160),
             ] {
+                if !k.is_multiple_of(ty.block_elems()) {
+                    continue;
+                }
                 let data = matrix(ty, m, k, &mut rng);
                 let rows = QuantMatRef {
                     ty,

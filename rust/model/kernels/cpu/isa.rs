@@ -1,0 +1,73 @@
+//! What this CPU can run, detected once: the one place the kernels ask. Each kernel maps these
+//! levels onto its own paths (which it may lack for some levels, and which its tests force one
+//! by one).
+
+use std::sync::OnceLock;
+
+/// The instruction-set levels the CPU kernels are compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuLevels {
+    /// AVX2 with FMA and F16C.
+    pub avx2: bool,
+    /// AVX-512 F, BW and VL, with FMA and F16C.
+    pub avx512: bool,
+    /// `avx512` and AVX-512 VNNI (`vpdpbusd`).
+    pub avx512_vnni: bool,
+    /// `avx512` and AVX-512 BF16 (`vdpbf16ps`).
+    pub avx512_bf16: bool,
+}
+
+/// This CPU's levels (the first call detects them).
+pub fn cpu() -> CpuLevels {
+    static LEVELS: OnceLock<CpuLevels> = OnceLock::new();
+    *LEVELS.get_or_init(detect)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> CpuLevels {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let avx512 = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    CpuLevels {
+        avx2,
+        avx512,
+        avx512_vnni: avx512 && is_x86_feature_detected!("avx512vnni"),
+        avx512_bf16: avx512 && is_x86_feature_detected!("avx512bf16"),
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> CpuLevels {
+    CpuLevels {
+        avx2: false,
+        avx512: false,
+        avx512_vnni: false,
+        avx512_bf16: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The levels nest: each AVX-512 level implies AVX-512, and (on every CPU that has it) AVX2.
+    #[test]
+    fn levels_nest() {
+        let c = cpu();
+        assert!(!c.avx512_vnni || c.avx512);
+        assert!(!c.avx512_bf16 || c.avx512);
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            c.avx2,
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        );
+        assert_eq!(cpu(), c, "detected once");
+    }
+}
