@@ -151,6 +151,22 @@ async def test_stop_strings_logprobs_and_n_with_drafts(model_dir: MakeModel) -> 
     assert [c.logprobs for c in drafted[0].choices] == [c.logprobs for c in plain[0].choices]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_a_verified_row_has_the_logprobs_of_a_decode_row(
+    model_dir: MakeModel, family: str
+) -> None:
+    """One sequence: plain decoding computes each token alone in its step (a mixture of experts
+    takes its single-row path), drafting computes it among the drafts' rows (the gathered
+    path); batch invariance makes their log-probabilities equal to the bit."""
+    model = model_dir(family)
+    params = {**GREEDY, "logprobs": 3}
+    plain, _ = await outputs(model, [PROMPT], [params])
+    drafted, stats = await outputs(model, [PROMPT], [params], **NGRAM)
+    assert stats["spec_draft_tokens"] > 0
+    assert drafted[0].token_ids == plain[0].token_ids
+    assert drafted[0].logprobs == plain[0].logprobs
+
+
 async def test_structured_output_with_drafts(model_dir: MakeModel) -> None:
     model = model_dir("llama")
     schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 6}

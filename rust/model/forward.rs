@@ -14,6 +14,7 @@ use crate::model::kernels::cpu::matmul::{linear, linear_group, LinearOut, Matmul
 use crate::model::kernels::cpu::rmsnorm::{rmsnorm, rmsnorm_inplace};
 use crate::model::kernels::cpu::router::{route, Route};
 use crate::model::kernels::cpu::swiglu::silu_mul;
+use crate::model::kernels::cpu::MatRef;
 use crate::model::{ExpertWeights, Mlp, MlpWeights, Model};
 
 /// Which positions of a chunk need logits.
@@ -499,6 +500,10 @@ fn experts(
     for (row, out) in logits.chunks_exact(e).zip(routes.chunks_exact_mut(k)) {
         route(row, moe.renormalize, out);
     }
+    if n == 1 {
+        single_row_experts(w, routes, activation, xn, &mut b.outputs, gate, up, mm);
+        return;
+    }
     for (expert, weights) in w.experts.iter().enumerate() {
         b.picked.clear();
         b.picked.extend(
@@ -522,14 +527,110 @@ fn experts(
             b.outputs[slot * hidden..(slot + 1) * hidden].copy_from_slice(src);
         }
     }
+    weighted_sum(routes, &b.outputs, xn, k);
+}
+
+/// `experts` for one row (decode): every chosen expert reads the same row, so the gate and up
+/// products of two experts at a time run as one `linear_group` (one fork and join instead of
+/// two, no gather), with the same bits as `experts`'s separate calls and the same sum.
+#[allow(clippy::too_many_arguments)]
+fn single_row_experts(
+    w: &ExpertWeights,
+    routes: &[Route],
+    activation: Activation,
+    xn: &mut [f32],
+    outputs: &mut [f32],
+    gate: &mut [f32],
+    up: &mut [f32],
+    mm: &mut MatmulScratch,
+) {
+    let (hidden, k) = (xn.len(), routes.len());
+    let mut s = 0;
+    while s < k {
+        let first = &w.experts[routes[s].expert as usize];
+        let width = first.gate_proj.shape[0];
+        let pair = s + 1 < k
+            && gate.len() >= 2 * width
+            && w.experts[routes[s + 1].expert as usize].gate_proj.shape[0] == width;
+        let m = if pair { 2 } else { 1 };
+        {
+            let (g0, g1) = gate[..m * width].split_at_mut(width);
+            let (u0, u1) = up[..m * width].split_at_mut(width);
+            fn out(x: &MlpWeights) -> (MatRef<'_>, MatRef<'_>) {
+                (x.gate_proj.matrix(), x.up_proj.matrix())
+            }
+            let (gate0, up0) = out(first);
+            let mut outs = [
+                LinearOut {
+                    w: gate0,
+                    bias: None,
+                    y: g0,
+                },
+                LinearOut {
+                    w: up0,
+                    bias: None,
+                    y: u0,
+                },
+            ];
+            if pair {
+                let (gate1, up1) = out(&w.experts[routes[s + 1].expert as usize]);
+                let [a, b] = outs;
+                linear_group(
+                    xn,
+                    1,
+                    &mut [
+                        a,
+                        b,
+                        LinearOut {
+                            w: gate1,
+                            bias: None,
+                            y: g1,
+                        },
+                        LinearOut {
+                            w: up1,
+                            bias: None,
+                            y: u1,
+                        },
+                    ],
+                    mm,
+                );
+            } else {
+                linear_group(xn, 1, &mut outs, mm);
+            }
+        }
+        for j in 0..m {
+            let slot = s + j;
+            let g = &mut gate[j * width..(j + 1) * width];
+            let u = &up[j * width..(j + 1) * width];
+            match activation {
+                Activation::Silu => silu_mul(g, u),
+                Activation::GeluTanh => gelu_tanh_mul(g, u),
+            }
+            let down = w.experts[routes[slot].expert as usize].down_proj.matrix();
+            linear(
+                g,
+                1,
+                down,
+                None,
+                &mut outputs[slot * hidden..(slot + 1) * hidden],
+                mm,
+            );
+        }
+        s += m;
+    }
+    weighted_sum(routes, outputs, xn, k);
+}
+
+/// Each row of `xn` as its k expert outputs (`outputs`, `[rows, k, hidden]`) times their
+/// routes' weights, summed in route order.
+fn weighted_sum(routes: &[Route], outputs: &[f32], xn: &mut [f32], k: usize) {
+    let hidden = xn.len() / (routes.len() / k);
     for (t, out) in xn.chunks_exact_mut(hidden).enumerate() {
         out.fill(0.0);
-        for s in 0..k {
-            let slot = t * k + s;
-            let weight = routes[slot].weight;
-            let y = &b.outputs[slot * hidden..(slot + 1) * hidden];
+        for slot in t * k..(t + 1) * k {
+            let y = &outputs[slot * hidden..(slot + 1) * hidden];
             for (o, v) in out.iter_mut().zip(y) {
-                *o += weight * v;
+                *o += routes[slot].weight * v;
             }
         }
     }
