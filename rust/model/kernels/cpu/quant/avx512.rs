@@ -217,7 +217,7 @@ unsafe fn row_scales(base: *const u8, ridx: __m512i) -> (__m512, __m512) {
 /// The float step of `super::linear::step`, on 16 lanes (`min` is a constant per type).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn step(
+pub(super) unsafe fn step(
     min: bool,
     acc: __m512,
     dw: __m512,

@@ -111,7 +111,7 @@ unsafe fn step(
 /// Four activation bytes of token row `x` at `off`, in every lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn bcast(x: *const i8, off: usize) -> __m512i {
+pub(super) unsafe fn bcast(x: *const i8, off: usize) -> __m512i {
     _mm512_set1_epi32((x.add(off) as *const i32).read_unaligned())
 }
 
@@ -131,7 +131,7 @@ unsafe fn rows_u8(v: __m512i, lane: usize) -> __m512i {
 /// The f16 values at `p` (16 of them, one per row), widened.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn rows_f16(p: *const u8) -> __m512 {
+pub(super) unsafe fn rows_f16(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 

@@ -1,6 +1,6 @@
-//! The interleaved layout of quantized matrices (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): the same
-//! blocks, the same bits per weight, stored so that a group of 16 rows is one sequential stream
-//! with its rows in vector lanes.
+//! The interleaved layout of quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K):
+//! the same blocks, the same bits per weight, stored so that a group of 16 rows is one
+//! sequential stream with its rows in vector lanes.
 //!
 //! In ggml's row-major layout a register tile of 16 rows reads block by block with a stride of
 //! one row between reads (16 short streams the hardware prefetcher does not follow) and must
@@ -9,7 +9,8 @@
 //! record every field of the 16 blocks is laid out with row `i` in the 4-byte lane `i` of a
 //! 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes broadcast to
 //! all lanes then gives each row's sum in its own lane, with no reduction. The AVX-512 VNNI
-//! kernel that reads it is [`super::avx512_x16`] (Q4_K, Q6_K); the AVX2 ones,
+//! kernels that read it are [`super::avx512_x16`] (Q4_K, Q6_K) and [`super::avx512_x16_b32`]
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the AVX2 ones,
 //! [`super::avx2_x16`] (Q4_K, Q6_K) and [`super::avx2_x16_b32`] (Q4_0, Q4_1, Q8_0), read each
 //! record's vectors as two halves of 8 rows (32 bytes, one 4-byte lane per row). The scalar
 //! path reads a block back in ggml's layout ([`block_of`]) and computes the same bits.
@@ -39,6 +40,12 @@
 //!       vector k (k = 0..3) at + 64k:
 //!       byte 4i + j = q[4k + j] (low nibble)
 //!       | q[16 + 4k + j] (high nibble)
+//!
+//! Q5_0 (352 bytes), Q5_1 (384 bytes)
+//!    0  d[16] (f16)
+//!   32  Q5_1: m[16] (f16)
+//!   qh (Q5_0: at 32, Q5_1: at 64): byte 4i + j = qh[j] (bit l: 5th bit of weight 8j + l)
+//!   qs (Q5_0: at 96, Q5_1: at 128): as Q4_0's
 //! ```
 //!
 //! (A Q4_0 / Q4_1 lane byte is ggml's own byte `qs[4k + j]`: ggml packs weights `l` and
@@ -55,19 +62,29 @@ pub const GROUP: usize = 16;
 pub fn has_layout(ty: QuantType) -> bool {
     matches!(
         ty,
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+        QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0
+            | QuantType::Q4_K
+            | QuantType::Q6_K
     )
 }
 
-/// Whether `isa` has a kernel for `ty` interleaved. The AVX-512 VNNI one reads Q4_K and Q6_K
-/// only (its row-major kernels read the 32-weight types); the others would read the layout
-/// block by block, rebuilt, slower than ggml's.
+/// Whether `isa` has a kernel for `ty` interleaved. AVX-512 VNNI reads every type with a
+/// layout; AVX2 all but Q5_0 and Q5_1 (it has no kernel for them: they stay row-major, read
+/// by its row-major kernel). Any other would read the layout block by block, rebuilt, slower
+/// than ggml's.
 pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => matches!(ty, QuantType::Q4_K | QuantType::Q6_K),
+        Isa::Avx512Vnni => has_layout(ty),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => has_layout(ty),
+        Isa::Avx2 => matches!(
+            ty,
+            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+        ),
         Isa::Scalar => false,
     }
 }
@@ -141,29 +158,53 @@ pub fn block_of(ty: QuantType, data: &[u8], cols: usize, r: usize, b: usize, out
     match ty {
         QuantType::Q4_K => block_q4_k(rec, i, out),
         QuantType::Q6_K => block_q6_k(rec, i, out),
-        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 => block_b32(ty, rec, i, out),
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => {
+            block_b32(ty, rec, i, out)
+        }
         _ => panic!("block_of: no interleaved layout for {ty:?}"),
     }
 }
 
-/// Where the 32-weight types' fields are: (`m` in the block, in the record) for Q4_1, then
-/// (`qs` in the block, in the record) and the record's quant vectors of 64 bytes.
-fn fields_b32(ty: QuantType) -> (Option<(usize, usize)>, (usize, usize), usize) {
-    match ty {
-        QuantType::Q4_0 => (None, (2, 32), 4),
-        QuantType::Q4_1 => (Some((2, 32)), (4, 64), 4),
-        QuantType::Q8_0 => (None, (2, 32), 8),
-        _ => unreachable!("not an interleaved 32-weight type: {ty:?}"),
-    }
+/// Where a 32-weight type's fields are, as (in the block, in the record) offsets.
+struct FieldsB32 {
+    /// `m` (Q4_1, Q5_1).
+    m: Option<(usize, usize)>,
+    /// `qh` (Q5_0, Q5_1): 4 bytes per row, one 64-byte vector.
+    qh: Option<(usize, usize)>,
+    /// `qs`, 4 bytes per row and quant vector of 64 bytes.
+    qs: (usize, usize),
+    /// The record's quant vectors.
+    vectors: usize,
 }
 
-/// Q4_0, Q4_1, Q8_0: the f16 fields 2 bytes per row, the quant bytes 4 per row and vector.
+fn fields_b32(ty: QuantType) -> FieldsB32 {
+    let (m, qh, qs, vectors) = match ty {
+        QuantType::Q4_0 => (None, None, (2, 32), 4),
+        QuantType::Q4_1 => (Some((2, 32)), None, (4, 64), 4),
+        QuantType::Q5_0 => (None, Some((2, 32)), (6, 96), 4),
+        QuantType::Q5_1 => (Some((2, 32)), Some((4, 64)), (8, 128), 4),
+        QuantType::Q8_0 => (None, None, (2, 32), 8),
+        _ => unreachable!("not an interleaved 32-weight type: {ty:?}"),
+    };
+    FieldsB32 { m, qh, qs, vectors }
+}
+
+/// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: the f16 fields 2 bytes per row, `qh` and the quant bytes 4
+/// per row and vector.
 fn record_b32(ty: QuantType, blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
-    let (m, (qb, qr), vectors) = fields_b32(ty);
+    let FieldsB32 {
+        m,
+        qh,
+        qs: (qb, qr),
+        vectors,
+    } = fields_b32(ty);
     for (i, blk) in blocks.iter().enumerate() {
         rec[2 * i..2 * i + 2].copy_from_slice(&blk[0..2]);
         if let Some((mb, mr)) = m {
             rec[mr + 2 * i..mr + 2 * i + 2].copy_from_slice(&blk[mb..mb + 2]);
+        }
+        if let Some((hb, hr)) = qh {
+            rec[hr + 4 * i..hr + 4 * i + 4].copy_from_slice(&blk[hb..hb + 4]);
         }
         for k in 0..vectors {
             let at = qr + 64 * k + 4 * i;
@@ -173,10 +214,18 @@ fn record_b32(ty: QuantType, blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
 }
 
 fn block_b32(ty: QuantType, rec: &[u8], i: usize, out: &mut [u8]) {
-    let (m, (qb, qr), vectors) = fields_b32(ty);
+    let FieldsB32 {
+        m,
+        qh,
+        qs: (qb, qr),
+        vectors,
+    } = fields_b32(ty);
     out[0..2].copy_from_slice(&rec[2 * i..2 * i + 2]);
     if let Some((mb, mr)) = m {
         out[mb..mb + 2].copy_from_slice(&rec[mr + 2 * i..mr + 2 * i + 2]);
+    }
+    if let Some((hb, hr)) = qh {
+        out[hb..hb + 4].copy_from_slice(&rec[hr + 4 * i..hr + 4 * i + 4]);
     }
     for k in 0..vectors {
         let at = qr + 64 * k + 4 * i;
@@ -317,9 +366,11 @@ mod tests {
     use super::*;
     use crate::model::kernels::cpu::test_rng::Rng;
 
-    const TYPES: [QuantType; 5] = [
+    const TYPES: [QuantType; 7] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
         QuantType::Q8_0,
         QuantType::Q4_K,
         QuantType::Q6_K,
@@ -331,7 +382,7 @@ mod tests {
     fn every_block_reads_back_as_it_was() {
         let mut rng = Rng(7);
         assert!(TYPES.into_iter().all(has_layout));
-        assert!(!has_layout(QuantType::Q5_0) && !has_layout(QuantType::Q5_K));
+        assert!(!has_layout(QuantType::Q5_K) && !has_layout(QuantType::IQ4_NL));
         for ty in TYPES {
             for &(rows, cols) in &[
                 (16usize, 256usize),
@@ -420,5 +471,23 @@ mod tests {
         let blk = &src[9 * 34..10 * 34];
         assert_eq!(dst[32 + 64 * 6 + 4 * 9 + 1], blk[2 + 25]);
         assert_eq!(dst[18..20], blk[0..2]);
+        // Q5_0 / Q5_1: row 7, weight 16 + 4 * 3 + 2 = 30: the high nibble of vector 3, lane 7,
+        // byte 2; its 5th bit is bit 6 of the lane's `qh` byte 3 (bit 30 of ggml's `qh`).
+        for (ty, qh, qs) in [(QuantType::Q5_0, 32, 96), (QuantType::Q5_1, 64, 128)] {
+            let bb = ty.block_bytes();
+            let src: Vec<u8> = (0..16 * bb).map(|_| rng.next_u() as u8).collect();
+            let mut dst = vec![0u8; interleaved_len(ty, 16, 32).unwrap()];
+            interleave(ty, &src, 16, 32, &mut dst);
+            let blk = &src[7 * bb..8 * bb];
+            let mut u = super::super::Unpacked::new();
+            super::super::unpack(ty, blk, &mut u);
+            let offset = if ty == QuantType::Q5_0 { 16 } else { 0 };
+            let level = (dst[qs + 64 * 3 + 4 * 7 + 2] >> 4) | ((dst[qh + 4 * 7 + 3] >> 6) & 1) << 4;
+            assert_eq!(level as i8 - offset, u.q[30]);
+            assert_eq!(dst[14..16], blk[0..2]);
+            if ty == QuantType::Q5_1 {
+                assert_eq!(dst[32 + 14..32 + 16], blk[2..4]);
+            }
+        }
     }
 }

@@ -21,8 +21,9 @@
 //! **Paths.** AVX-512 VNNI ([`super::avx512`]), AVX2 ([`super::avx2`]) and scalar, chosen at run
 //! time per call; a type an instruction set has no kernel for takes the scalar path (same bits).
 //! Interleaved matrices ([`super::interleave`]) take [`super::avx512_x16`],
-//! [`super::avx2_x16`] or [`super::avx2_x16_b32`] where the instruction set has a kernel for
-//! the type ([`super::interleave::supported`]), else the scalar path.
+//! [`super::avx512_x16_b32`], [`super::avx2_x16`] or [`super::avx2_x16_b32`] where the
+//! instruction set has a kernel for the type ([`super::interleave::supported`]), else the
+//! scalar path.
 //! Output rows are split into rayon tasks; a group of products of the same input
 //! ([`linear_quant_group`]) is one parallel loop over all their row chunks.
 //!
@@ -49,8 +50,8 @@ pub struct QuantMatRef<'a> {
 pub enum Layout {
     /// ggml's: row after row, each a run of blocks (what GGUF files hold).
     Rows,
-    /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_0, Q4_1, Q8_0, Q4_K,
-    /// Q6_K).
+    /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_0, Q4_1, Q5_0, Q5_1,
+    /// Q8_0, Q4_K, Q6_K).
     Interleaved,
 }
 
@@ -373,7 +374,10 @@ pub(super) unsafe fn rows_dispatch(
         }
         match isa {
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vnni => super::avx512_x16::rows(w, r0, r1, act, out),
+            Isa::Avx512Vnni => match w.ty {
+                QuantType::Q4_K | QuantType::Q6_K => super::avx512_x16::rows(w, r0, r1, act, out),
+                _ => super::avx512_x16_b32::rows(w, r0, r1, act, out),
+            },
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => match w.ty {
                 QuantType::Q4_K | QuantType::Q6_K => super::avx2_x16::rows(w, r0, r1, act, out),
@@ -603,6 +607,8 @@ mod tests {
         for ty in [
             QuantType::Q4_0,
             QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
             QuantType::Q8_0,
             QuantType::Q4_K,
             QuantType::Q6_K,
@@ -618,6 +624,7 @@ mod tests {
                 (1, 16, 32),
                 (5, 19, 96),
                 (6, 40, 160),
+                (9, 27, 128),
             ] {
                 if !k.is_multiple_of(ty.block_elems()) {
                     continue;
