@@ -44,9 +44,9 @@ struct ExpertBuffers {
     routes: Vec<Route>,
     /// The (token, slot) indices routed to the expert at hand.
     picked: Vec<usize>,
-    /// Those tokens' rows gathered, then the expert's output rows: `[t, hidden]` each.
+    /// Those tokens' rows gathered, which the expert's MLP overwrites with its output rows:
+    /// `[t, hidden]`.
     rows_in: Vec<f32>,
-    rows_out: Vec<f32>,
     /// Each (token, slot)'s expert output, `[t, k, hidden]`, summed per token in slot order.
     outputs: Vec<f32>,
 }
@@ -59,16 +59,12 @@ impl ExpertBuffers {
             routes: vec![Route::default(); t * k],
             picked: Vec::with_capacity(t * k),
             rows_in: vec![0.0; t * hidden],
-            rows_out: vec![0.0; t * hidden],
             outputs: vec![0.0; t * k * hidden],
         }
     }
 
     fn floats(&self) -> usize {
-        self.logits.capacity()
-            + self.rows_in.capacity()
-            + self.rows_out.capacity()
-            + self.outputs.capacity()
+        self.logits.capacity() + self.rows_in.capacity() + self.outputs.capacity()
     }
 }
 

@@ -62,6 +62,20 @@ ARCHITECTURES = {
 # Gemma3ForConditionalGeneration, the text-only model is "gemma3_text".
 MODEL_TYPES = {"gemma3": "gemma3_text"}
 
+# One shape for the Qwen3-MoE preset and its dense counterpart (`_PRESET_FIELDS` tells them
+# apart): only the MLP differs.
+_QWEN3_1B_SHAPE: dict[str, Any] = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+}
 # Model shapes.  The tiny preset ties embeddings for qwen3/mistral and unties
 # them for llama/qwen2 so both code paths are covered; its RoPE scaling starts
 # at 32 positions so ~100-token tests exercise it.
@@ -108,30 +122,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
     # A Qwen3-MoE of 1.0B parameters of which 0.34B are active per token (8 experts of width
     # 1536, two per token, tied), and the dense Qwen3 with those active parameters (one MLP of
     # width 3072 = 2 x 1536): the pair compares MoE and dense decoding at equal work per token.
-    "qwen3-moe-1b": {
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 49152,
-        "max_position_embeddings": 8192,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-    },
-    "qwen3-dense-0.3b": {
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 49152,
-        "max_position_embeddings": 8192,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-    },
+    "qwen3-moe-1b": _QWEN3_1B_SHAPE,
+    "qwen3-dense-0.3b": _QWEN3_1B_SHAPE,
     # Gemma-3-1B's shape (1.0B parameters, 0.3B of them the tied 262K-token embedding; head_dim
     # 256, one K/V head).
     "gemma3-1b": {
