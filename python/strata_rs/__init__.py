@@ -24,6 +24,7 @@ from strata_rs._core import (
     __version__,
     cuda_devices,
     dequantize,
+    prefix_block_hashes,
     quantize,
     validate_messages,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "__version__",
     "cuda_devices",
     "dequantize",
+    "prefix_block_hashes",
     "quantize",
     "validate_messages",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "__version__",
     "cuda_devices",
     "dequantize",
+    "prefix_block_hashes",
     "quantize",
     "validate_messages",
 ]
@@ -75,6 +76,12 @@ def dequantize(data: npt.NDArray[np.uint8], type: str, cols: int) -> npt.NDArray
     ``[rows, cols]`` float32 array (the values ggml computes, to the bit). Raises InvalidRequest
     (a ValueError) naming the argument: unknown type, ``cols`` not a multiple of the block size,
     rows of the wrong byte length."""
+
+def prefix_block_hashes(token_ids: Sequence[int], prefix_salt: int, block_size: int) -> list[int]:
+    """The prefix hashes of the full blocks of ``token_ids``, as an engine whose info has this
+    ``prefix_salt`` and ``block_size`` computes them: a router's key for where a prompt's prefix
+    is cached (``Engine.cached_block_hashes``). InvalidRequest naming ``token_ids`` or
+    ``block_size`` (0)."""
 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
@@ -468,6 +475,7 @@ class Engine:
         disk_cache_dir: str | PathLike[str] | None = None,
         disk_cache_mib: int = 16384,
         disk_cache_days: float = 7.0,
+        disk_write_when_idle: bool = False,
         cache_faults: str | None = None,
         device_memory_mib: str | int | Sequence[int] | None = None,
         layer_split: str | int | Sequence[int] | None = None,
@@ -542,6 +550,10 @@ class Engine:
         ~/.cache/strata-rs/kv).
         disk_cache_mib: disk tier budget; 0 turns the tier off.
         disk_cache_days: files older than this are deleted at start; 0 empties the tier at start.
+        disk_write_when_idle: whenever the engine falls idle after work, the cached blocks not
+        on disk yet are written there (as at a clean close), so conversations survive the
+        process being killed; for replicas that share disk_cache_dir. Engines sharing a folder
+        find each other's files and keep the folder's total within their budget.
         cache_faults: fault injection for tests, e.g. "copy_in:2,read:5%,ram_gate:100-200"
         (kinds alloc, copy_out, copy_in, write, read, ram_gate; N: the Nth operation of that
         kind fails, A-B: operations A to B, P%: each with probability P percent (fixed seed),
@@ -614,6 +626,10 @@ class Engine:
         repeats: int = 3,
     ) -> Awaitable[BenchResult]:
         """Times cold prefill and single-token decode, and the memory read bandwidth."""
+    def cached_block_hashes(self) -> Awaitable[list[int]]:
+        """The prefix hashes of the K/V blocks the engine holds on the device and in the host
+        tier (not the disk tier, which other processes may share): where a router finds which
+        engine holds a prompt's prefix (``prefix_block_hashes``)."""
     def close(self) -> Awaitable[None]:
         """Stops the engine thread, from the call on; awaiting it waits until the thread has
         written the disk tier and exited. Idempotent."""

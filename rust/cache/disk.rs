@@ -34,6 +34,10 @@ const EXT: &str = ".kvb";
 /// A temp file older than this is a crashed write's leftover; a younger one may be in progress.
 const TEMP_GRACE_SECS: f64 = 600.0;
 
+/// Ticks of the LRU start here, so that files another process wrote can be indexed below every
+/// tick handed out (as least recently used).
+const FIRST_TICK: u64 = 1 << 40;
+
 /// Makes temp names unique among the writers of this process (the pid covers other processes).
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -158,6 +162,11 @@ pub struct DiskTier {
     /// tick -> hash; the smallest tick is the least recently used.
     lru: BTreeMap<u64, u64>,
     next_tick: u64,
+    /// The folder's mtime at our last listing: a change means another process (replicas may
+    /// share the folder) created or deleted files since.
+    listed_mtime: Option<SystemTime>,
+    /// Files of ours that another process wrote, adopted after the startup scan.
+    adopted_later: u64,
 }
 
 impl DiskTier {
@@ -187,7 +196,10 @@ impl DiskTier {
             budget: opts.budget_bytes,
             entries: HashMap::new(),
             lru: BTreeMap::new(),
-            next_tick: 0,
+            // Room below for the files found late (`insert_oldest`).
+            next_tick: FIRST_TICK,
+            listed_mtime: None,
+            adopted_later: 0,
         };
         let report = tier.scan(opts.max_age_days)?;
         Ok((tier, report))
@@ -202,6 +214,7 @@ impl DiskTier {
         let max_age_secs = max_age_days * 86_400.0;
         let mut found: Vec<(SystemTime, u64, Box<[u32]>)> = Vec::new();
 
+        self.listed_mtime = self.dir_mtime();
         let listing = fs::read_dir(&self.dir).map_err(|e| io_err(&self.dir, e))?;
         for entry in listing {
             let entry = entry.map_err(|e| io_err(&self.dir, e))?;
@@ -322,6 +335,108 @@ impl DiskTier {
             .is_some_and(|e| *e.tokens == *tokens)
     }
 
+    /// Whether the tier holds `hash` with these tokens, adopting the file when another process
+    /// sharing the folder wrote it since our scan (its header checked as at the scan; a bad one
+    /// is deleted). One `stat` per miss.
+    pub fn find(&mut self, hash: u64, tokens: &[u32]) -> bool {
+        if self.entries.contains_key(&hash) {
+            return self.contains(hash, tokens);
+        }
+        let path = self.path_of(hash);
+        let Ok(meta) = fs::metadata(&path) else {
+            return false;
+        };
+        if !meta.is_file() {
+            return false;
+        }
+        let hex = format!("{hash:016x}");
+        match self.check_at_scan(&hex, &path, meta.len()) {
+            Ok((_, held)) if *held == *tokens => {
+                self.insert(hash, held);
+                self.adopted_later += 1;
+                true
+            }
+            // A collision: another block's file under this hash; not ours to delete.
+            Ok(_) => false,
+            Err(_) => {
+                delete(&path);
+                false
+            }
+        }
+    }
+
+    /// Files of ours another process wrote, adopted after the startup scan (by `find` or when
+    /// making room).
+    pub fn adopted_later(&self) -> u64 {
+        self.adopted_later
+    }
+
+    fn dir_mtime(&self) -> Option<SystemTime> {
+        fs::metadata(&self.dir).and_then(|m| m.modified()).ok()
+    }
+
+    /// Brings the index up to the folder when another process changed it since our last
+    /// listing: files of ours we do not know are adopted (oldest ticks, by mtime, so that they
+    /// are evicted first), files we know that are gone are forgotten. So the budget holds for
+    /// the folder's total, not only for what this process wrote. Best effort: a folder that
+    /// cannot be listed leaves the index as it is.
+    fn refresh(&mut self) {
+        let mtime = self.dir_mtime();
+        if mtime.is_some() && mtime == self.listed_mtime {
+            return;
+        }
+        self.listed_mtime = mtime;
+        let Ok(listing) = fs::read_dir(&self.dir) else {
+            return;
+        };
+        let prefix = format!("{:016x}-", self.layout.salt);
+        let mut seen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        let mut new: Vec<(SystemTime, u64, PathBuf, u64)> = Vec::new();
+        for entry in listing.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let Some(hash) = name
+                .strip_prefix(&prefix)
+                .and_then(|r| r.strip_suffix(EXT))
+                .and_then(parse_hash)
+            else {
+                continue;
+            };
+            seen.insert(hash);
+            if self.entries.contains_key(&hash) {
+                continue;
+            }
+            let Ok(meta) = entry.metadata() else { continue };
+            if meta.is_file() {
+                let mtime = meta.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                new.push((mtime, hash, entry.path(), meta.len()));
+            }
+        }
+        let gone: Vec<u64> = self
+            .entries
+            .keys()
+            .filter(|h| !seen.contains(h))
+            .copied()
+            .collect();
+        for hash in gone {
+            self.forget(hash);
+        }
+        // Newest first: each goes below the ones before it, so the oldest ends least recent.
+        new.sort_by_key(|&(mtime, hash, _, _)| std::cmp::Reverse((mtime, hash)));
+        for (_, hash, path, len) in new {
+            let hex = format!("{hash:016x}");
+            match self.check_at_scan(&hex, &path, len) {
+                Ok((_, tokens)) => {
+                    self.insert_oldest(hash, tokens);
+                    self.adopted_later += 1;
+                }
+                Err(_) => {
+                    delete(&path);
+                }
+            }
+        }
+    }
+
     /// Marks `hash` most recently used (no I/O).
     pub fn touch(&mut self, hash: u64) {
         let tick = self.next_tick;
@@ -355,6 +470,9 @@ impl DiskTier {
         // means a failed write leaves neither.
         if self.entries.contains_key(&hash) {
             self.remove(hash);
+        }
+        if self.bytes() + need > self.budget || self.dir_mtime() != self.listed_mtime {
+            self.refresh();
         }
         while self.bytes() + need > self.budget {
             let Some((_, oldest)) = self.lru.pop_first() else {
@@ -392,6 +510,11 @@ impl DiskTier {
         // Makes the rename durable; some file systems cannot fsync a directory, so best effort.
         File::open(&self.dir).and_then(|d| d.sync_all()).ok();
         self.insert(hash, tokens.into());
+        // Our own rename changed the folder: what we know of it is still complete unless someone
+        // else changed it too, which the next write's check of the mtime sees.
+        if self.listed_mtime.is_some() {
+            self.listed_mtime = self.dir_mtime();
+        }
         Ok(true)
     }
 
@@ -475,6 +598,23 @@ impl DiskTier {
     fn insert(&mut self, hash: u64, tokens: Box<[u32]>) {
         let tick = self.next_tick;
         self.next_tick += 1;
+        self.lru.insert(tick, hash);
+        if let Some(old) = self.entries.insert(hash, Entry { tick, tokens }) {
+            self.lru.remove(&old.tick);
+        }
+    }
+
+    /// Indexes a block as the least recently used: one another process wrote, found late.
+    fn insert_oldest(&mut self, hash: u64, tokens: Box<[u32]>) {
+        let tick = self
+            .lru
+            .keys()
+            .next()
+            .map_or(FIRST_TICK, |&t| t.saturating_sub(1));
+        if self.lru.contains_key(&tick) {
+            self.insert(hash, tokens);
+            return;
+        }
         self.lru.insert(tick, hash);
         if let Some(old) = self.entries.insert(hash, Entry { tick, tokens }) {
             self.lru.remove(&old.tick);
@@ -789,6 +929,66 @@ mod tests {
         let mut out = vec![0u8; 64];
         t.read(42, &tokens(9), &mut out).unwrap();
         assert_eq!(out, payload(9));
+    }
+
+    #[test]
+    fn a_block_another_process_wrote_is_found_and_read() {
+        let d = tempfile::tempdir().unwrap();
+        let (mut a, _) = open(d.path(), 1 << 20);
+        let (mut b, _) = open(d.path(), 1 << 20);
+        a.write(42, &tokens(9), &payload(9)).unwrap();
+        assert!(
+            !b.contains(42, &tokens(9)),
+            "not known before it is looked for"
+        );
+        assert!(
+            !b.find(42, &tokens(8)),
+            "other tokens under the hash: not ours"
+        );
+        assert!(b.find(42, &tokens(9)));
+        assert_eq!(b.adopted_later(), 1);
+        let mut out = vec![0u8; 64];
+        b.read(42, &tokens(9), &mut out).unwrap();
+        assert_eq!(out, payload(9));
+        assert!(!b.find(43, &tokens(9)), "no file, nothing found");
+        assert_eq!(
+            names(d.path()).len(),
+            1,
+            "the collision check deleted nothing"
+        );
+    }
+
+    #[test]
+    fn the_budget_holds_for_the_folder_shared_by_two_tiers() {
+        let d = tempfile::tempdir().unwrap();
+        let budget = 4 * FILE_LEN;
+        let (mut a, _) = open(d.path(), budget);
+        let (mut b, _) = open(d.path(), budget);
+        for i in 0..3 {
+            a.write(100 + i, &tokens(i as u32), &payload(i as u8))
+                .unwrap();
+        }
+        for i in 0..3 {
+            b.write(200 + i, &tokens(i as u32), &payload(i as u8))
+                .unwrap();
+            assert!(names(d.path()).len() as u64 * FILE_LEN <= budget);
+        }
+        // b made room by deleting a's oldest files, never its own newer ones.
+        let left = names(d.path());
+        assert_eq!(left.len(), 4, "{left:?}");
+        for i in 0..3 {
+            assert!(b.contains(200 + i, &tokens(i as u32)));
+        }
+        assert!(a.contains(102, &tokens(2)) && b.contains(102, &tokens(2)));
+        // a sees the deletions at its next write, and reading a deleted file says Missing.
+        let mut out = vec![0u8; 64];
+        assert!(matches!(
+            a.read(100, &tokens(0), &mut out),
+            Err(DiskError::Missing)
+        ));
+        a.write(103, &tokens(3), &payload(3)).unwrap();
+        assert_eq!(names(d.path()).len(), 4);
+        assert_eq!(a.len(), 4, "a's index is the folder's");
     }
 
     #[test]

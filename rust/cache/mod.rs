@@ -96,6 +96,10 @@ pub struct CacheOptions {
     pub disk_cache_days: f64,
     /// Fault injection (`faults::Faults::parse`); empty for none.
     pub faults: String,
+    /// Whenever the engine falls idle after work, the cached blocks not on disk yet are written
+    /// there (as at a clean close), so that a conversation survives the process being killed:
+    /// for replicas sharing a disk folder, one picks up another's conversations.
+    pub disk_write_when_idle: bool,
 }
 
 impl Default for CacheOptions {
@@ -107,6 +111,7 @@ impl Default for CacheOptions {
             disk_cache_mib: 16384,
             disk_cache_days: 7.0,
             faults: String::new(),
+            disk_write_when_idle: false,
         }
     }
 }
@@ -169,7 +174,8 @@ pub struct CacheStats {
     pub hit_tokens_disk: u64,
     /// Disk files found bad (at the startup scan or on a read) and deleted.
     pub corrupt_files: u64,
-    /// Files adopted by the startup scan.
+    /// Files adopted by the startup scan, and later ones another process sharing the disk
+    /// folder wrote (found when a prompt needs them, or when making room).
     pub adopted_files: u64,
     /// Faults injected by `cache_faults`, per kind: each one is also a failed or refused move.
     pub faults_injected: BTreeMap<&'static str, u64>,

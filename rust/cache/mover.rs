@@ -56,6 +56,10 @@ pub struct ConversationCache {
     /// The buffer of the last block the host tier let go, reused by the next offload: once the
     /// host tier is full, an offload allocates nothing.
     spare: Option<Box<[u8]>>,
+    /// Files the disk tier's startup scan adopted (`stats.adopted_files` adds those adopted
+    /// later, written by another process sharing the folder).
+    scan_adopted: u64,
+    write_when_idle: bool,
     stats: CacheStats,
 }
 
@@ -171,6 +175,8 @@ impl ConversationCache {
                 })
                 .collect(),
             spare: None,
+            scan_adopted: stats.adopted_files,
+            write_when_idle: opts.disk_write_when_idle,
             stats,
         };
         cache.refresh_sizes();
@@ -190,6 +196,8 @@ impl ConversationCache {
             // With every tier off, nothing is staged.
             devices: Vec::new(),
             spare: None,
+            scan_adopted: 0,
+            write_when_idle: false,
             stats: CacheStats::default(),
         }
     }
@@ -230,6 +238,7 @@ impl ConversationCache {
         self.stats.host_blocks = self.host.len();
         self.stats.host_bytes = self.host.bytes();
         if let Some(d) = &self.disk {
+            self.stats.adopted_files = self.scan_adopted + d.adopted_later();
             self.stats.disk_blocks = d.len();
             self.stats.disk_bytes = d.bytes();
             self.stats.disk_budget = d.budget();
@@ -534,6 +543,16 @@ impl ConversationCache {
         }
     }
 
+    /// Whether the engine writes its cached blocks to disk whenever it falls idle.
+    pub fn writes_when_idle(&self) -> bool {
+        self.write_when_idle && self.disk.is_some()
+    }
+
+    /// The prefix hashes of the host tier's blocks.
+    pub fn host_hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.host.iter_oldest_first().map(|(h, _, _)| h)
+    }
+
     /// How many blocks from block `from` on, consecutive, the tiers below the device hold for
     /// this prompt (`hashes` are its full blocks' hashes). Found blocks are marked used, so that
     /// making room for their onload does not push them out first.
@@ -549,6 +568,9 @@ impl ConversationCache {
                 self.host.touch(h);
             } else if let Some(d) = self.disk.as_mut().filter(|d| d.contains(h, t)) {
                 d.touch(h);
+            } else if self.disk.as_mut().is_some_and(|d| d.find(h, t)) {
+                // A file another process sharing the folder wrote since our scan: adopted as
+                // the most recently used.
             } else {
                 break;
             }

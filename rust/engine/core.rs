@@ -62,6 +62,8 @@ pub struct EngineCore {
     delivery: Arc<Mutex<Vec<Addressed>>>,
     /// Set by `Engine::inject_fault`: the next step panics.
     pub inject_fault: bool,
+    /// `local.steps` at the last idle write to disk (`persist_if_idle_writes`).
+    steps_persisted: u64,
 }
 
 /// An event and the stream it goes to.
@@ -109,6 +111,7 @@ impl EngineCore {
             outbox: Vec::new(),
             delivery: Arc::new(Mutex::new(Vec::new())),
             inject_fault: false,
+            steps_persisted: 0,
         })
     }
 
@@ -608,6 +611,22 @@ impl EngineCore {
     pub fn persist_cache(&mut self) {
         self.cache.persist(&self.runner.kv);
         self.publish_stats(None, &[]);
+    }
+
+    /// The prefix hashes of the blocks on the device (the prefix index) and in the host tier.
+    pub fn cached_block_hashes(&self) -> Vec<u64> {
+        let mut hashes: Vec<u64> = self.runner.kv.cached_blocks().map(|(_, h, _)| h).collect();
+        hashes.extend(self.cache.host_hashes());
+        hashes
+    }
+
+    /// With `disk_write_when_idle`: the cached blocks of the steps since the last write go to
+    /// disk, now that nothing waits for the engine thread.
+    pub fn persist_if_idle_writes(&mut self) {
+        if self.cache.writes_when_idle() && self.local.steps != self.steps_persisted {
+            self.steps_persisted = self.local.steps;
+            self.persist_cache();
+        }
     }
 
     /// Records why the loop stopped, for `stats()["stopped"]`.

@@ -158,6 +158,9 @@ pub struct EngineInfo {
     pub max_waiting: usize,
     pub kv_blocks: usize,
     pub block_size: usize,
+    /// The start of every prefix hash chain (`kv::prefix::extend_hashes`): the model and the
+    /// K/V format's fingerprint.
+    pub prefix_salt: u64,
     /// Bytes of K/V one block holds (all layers).
     pub kv_block_bytes: usize,
     /// Speculative decoding's drafts ("ngram"), if on.
@@ -224,6 +227,9 @@ enum Command {
     Bench {
         spec: BenchSpec,
         reply: oneshot::Sender<Result<BenchReport>>,
+    },
+    CachedBlockHashes {
+        reply: oneshot::Sender<Vec<u64>>,
     },
 }
 
@@ -613,6 +619,7 @@ impl Engine {
             max_waiting: opts.max_waiting,
             kv_blocks,
             block_size: BLOCK_SIZE,
+            prefix_salt: salt,
             kv_block_bytes: block_bytes,
             speculative: ngram,
             devices: devices.clone(),
@@ -750,6 +757,15 @@ impl Engine {
         &self.tokenizer
     }
 
+    /// The prefix hashes of the blocks this engine holds itself, on the device and in the host
+    /// tier (not the disk tier: other processes may share its folder), as of the next step.
+    /// What a router needs to send a conversation where its history is.
+    pub fn cached_block_hashes(&self) -> Result<oneshot::Receiver<Vec<u64>>> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::CachedBlockHashes { reply })?;
+        Ok(rx)
+    }
+
     /// Validates `ids` and queues them; the receiver yields `[ids.len(), vocab]` logits.
     pub fn logits(&self, ids: Vec<u32>) -> Result<oneshot::Receiver<Result<Vec<f32>>>> {
         self.check_tokens(&ids, "token_ids")?;
@@ -881,6 +897,7 @@ fn serve(mut core: EngineCore, rx: mpsc::Receiver<Command>) {
     loop {
         // Block while there is nothing to run; otherwise take what arrived and step.
         if core.is_idle() && !core.inject_fault {
+            core.persist_if_idle_writes();
             match rx.recv() {
                 Ok(cmd) => handle(&mut core, cmd),
                 Err(_) => {
@@ -949,6 +966,9 @@ fn handle(core: &mut EngineCore, cmd: Command) {
         }
         Command::Bench { spec, reply } => {
             let _ = reply.send(bench::run(&mut core.runner, &spec));
+        }
+        Command::CachedBlockHashes { reply } => {
+            let _ = reply.send(core.cached_block_hashes());
         }
     }
 }

@@ -357,7 +357,7 @@ impl PyEngine {
     /// the engine); raises ModelLoadError, DeviceUnavailable or InvalidRequest.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None, bf16_dot = false, speculative = None, num_speculative_tokens = 4, ngram_min = 2, ngram_max = 4, speculative_adaptive = true))]
+    #[pyo3(signature = (path, device = "cpu", max_batch = 8, max_context = None, kv_memory_mib = None, max_batch_tokens = 512, max_waiting = 256, threads = None, *, host_cache_mib = 4096, host_min_free_mib = 1024, disk_cache_dir = None, disk_cache_mib = 16384, disk_cache_days = 7.0, disk_write_when_idle = false, cache_faults = None, device_memory_mib = None, layer_split = None, vram_reserve_mib = 1024, kv_dtype = None, quantize = None, bf16_dot = false, speculative = None, num_speculative_tokens = 4, ngram_min = 2, ngram_max = 4, speculative_adaptive = true))]
     fn load<'py>(
         py: Python<'py>,
         path: PathBuf,
@@ -373,6 +373,7 @@ impl PyEngine {
         disk_cache_dir: Option<PathBuf>,
         disk_cache_mib: i64,
         disk_cache_days: f64,
+        disk_write_when_idle: bool,
         cache_faults: Option<String>,
         device_memory_mib: Option<&Bound<'py, PyAny>>,
         layer_split: Option<&Bound<'py, PyAny>>,
@@ -394,6 +395,7 @@ impl PyEngine {
             disk_cache_mib: usize_arg(Some(disk_cache_mib), "disk_cache_mib")?.unwrap_or(0),
             disk_cache_days,
             faults: cache_faults.unwrap_or_default(),
+            disk_write_when_idle,
         };
         let opts = EngineOptions {
             device: Device::parse(device).map_err(to_pyerr)?,
@@ -561,6 +563,16 @@ impl PyEngine {
         })
     }
 
+    /// The prefix hashes of the blocks the engine holds on the device and in the host tier
+    /// (awaitable list of ints), for a router that sends a prompt where its prefix is.
+    fn cached_block_hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let rx = lock(&self.engine).cached_block_hashes().map_err(to_pyerr)?;
+        let work = async move { rx.await.map_err(|_| stopped_error()) };
+        spawn_awaitable(py, work, move |py, hashes: Vec<u64>| {
+            Ok(PyList::new(py, hashes)?.into_any().unbind())
+        })
+    }
+
     /// Each prompt token's logprob under the tokens before it: a list whose first entry is None,
     /// then `{"token_id", "token", "logprob", "rank", "top_logprobs"}` as a generated token's
     /// (`top_logprobs` alternatives, at most 20). One forward over the prompt, from a cold K/V
@@ -720,6 +732,7 @@ impl PyEngine {
         d.set_item("max_waiting", i.max_waiting)?;
         d.set_item("kv_blocks", i.kv_blocks)?;
         d.set_item("block_size", i.block_size)?;
+        d.set_item("prefix_salt", i.prefix_salt)?;
         d.set_item("kv_block_bytes", i.kv_block_bytes)?;
         d.set_item("decode_weight_bytes", i.decode_weight_bytes)?;
         Ok(d)

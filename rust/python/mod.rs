@@ -41,6 +41,27 @@ fn validate_messages(messages: &Bound<'_, PyAny>) -> PyResult<()> {
     crate::engine::request::validate_messages(&messages).map_err(errors::to_pyerr)
 }
 
+/// The prefix hashes of `token_ids`' full blocks, as an engine whose info has this
+/// `prefix_salt` and `block_size` computes them: a router's key for where a prompt's prefix is
+/// cached (`Engine.cached_block_hashes`).
+#[pyfunction]
+fn prefix_block_hashes(
+    token_ids: &Bound<'_, PyAny>,
+    prefix_salt: u64,
+    block_size: usize,
+) -> PyResult<Vec<u64>> {
+    let ids = args::token_ids("token_ids", token_ids)?;
+    if block_size == 0 {
+        return Err(errors::to_pyerr(crate::error::StrataError::invalid(
+            "block_size",
+            "must be at least 1".to_string(),
+        )));
+    }
+    let mut hashes = Vec::with_capacity(ids.len() / block_size);
+    crate::kv::prefix::extend_hashes(prefix_salt, &ids, block_size, &mut hashes);
+    Ok(hashes)
+}
+
 #[pymodule]
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -58,6 +79,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<output::PyUsage>()?;
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     m.add_function(wrap_pyfunction!(validate_messages, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix_block_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
