@@ -343,6 +343,53 @@ def _parser() -> argparse.ArgumentParser:
         help="disk tier files older than this are deleted at start (default 7; 0: start empty)",
     )
     s.add_argument(
+        "--disk-write-when-idle",
+        action="store_true",
+        default=None,
+        help="whenever the engine falls idle, write its cached K/V not on disk yet to the disk "
+        "tier, so conversations survive a killed process (default: off; on with --replicas)",
+    )
+    s.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="serve N engine replicas on Ray Serve, each conversation routed to the replica "
+        "holding its history (starts a local Ray, or joins --ray-address / $RAY_ADDRESS; needs "
+        "the 'ray' extra)",
+    )
+    s.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster to join with --replicas (default: $RAY_ADDRESS, else a local one)",
+    )
+    s.add_argument("--min-replicas", type=int, default=None, help="autoscaling's lower bound")
+    s.add_argument("--max-replicas", type=int, default=None, help="autoscaling's upper bound")
+    s.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling's target of ongoing requests per replica (default: Ray's)",
+    )
+    s.add_argument(
+        "--request-router",
+        choices=("affinity", "power_of_two"),
+        default=None,
+        help="with --replicas: affinity (default) sends a conversation to the replica holding "
+        "its history; power_of_two is Ray Serve's own, blind to it (for comparisons)",
+    )
+    s.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="CPUs Ray reserves for each replica (default 1)",
+    )
+    s.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        help="GPUs Ray reserves for each replica (default 0)",
+    )
+    s.add_argument(
         "--cache-faults",
         default=None,
         help="fault injection for tests, e.g. copy_in:2,read:5%%,ram_gate:100-200 (kinds alloc, "
@@ -792,6 +839,43 @@ def _serve(args: argparse.Namespace) -> int:
         "layer_split": args.layer_split,
         "vram_reserve_mib": args.vram_reserve_mib,
     }
+    if args.disk_write_when_idle is not None:
+        options["disk_write_when_idle"] = args.disk_write_when_idle
+    ray_only = (
+        "min_replicas",
+        "max_replicas",
+        "target_ongoing_requests",
+        "ray_address",
+        "request_router",
+    )
+    if args.replicas is None:
+        given = [f"--{k.replace('_', '-')}" for k in ray_only if getattr(args, k) is not None]
+        if given:
+            print(f"error: {', '.join(given)} need --replicas", file=sys.stderr)
+            return 2
+    else:
+        from strata_rs.ray.launch import serve_on_ray
+
+        return serve_on_ray(
+            args.model,
+            options,
+            host=args.host,
+            port=args.port,
+            replicas=args.replicas,
+            ray_address=args.ray_address,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus,
+            request_router=args.request_router or "affinity",
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            log_level=args.log_level,
+            served_model_name=args.served_model_name,
+            log_prompts=args.log_prompts,
+            reasoning_format=args.reasoning_format,
+        )
     return serve(
         args.model,
         options,
