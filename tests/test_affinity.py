@@ -29,13 +29,19 @@ def test_the_longest_cached_prefix_wins_and_ties_go_to_the_less_loaded() -> None
     assert p.counts == {"prefix": 1}
 
 
-def test_an_overloaded_holder_sends_the_prompt_to_the_less_loaded_of_two() -> None:
+def test_an_overloaded_holder_gives_way_to_the_next_holder_or_the_less_loaded_of_two() -> None:
     p = AffinityPolicy(imbalance=2, rng=random.Random(0))
     p.publish("a", [1, 2, 3])
-    assert p.choose([1, 2, 3], {"a": 2, "b": 0}).replica == "a"  # within the imbalance
-    d = p.choose([1, 2, 3], {"a": 3, "b": 0})
-    assert (d.replica, d.reason, d.matched_blocks) == ("b", "overloaded", 0)
-    assert p.counts == {"prefix": 1, "overloaded": 1}
+    # Within the imbalance of the mean load (2.5): the holder.
+    assert p.choose([1, 2, 3], {"a": 4, "b": 0, "c": 2, "d": 4}).replica == "a"
+    # More than 2 over the mean (2): the less loaded of two that are not overloaded.
+    d = p.choose([1, 2, 3], {"a": 5, "b": 0, "c": 1, "d": 2})
+    assert d.reason == "overloaded" and d.replica in ("b", "c", "d") and d.matched_blocks == 0
+    # Another replica holding enough of the prompt takes it before a blind pick.
+    p.publish("c", [1, 2])
+    d = p.choose([1, 2, 3], {"a": 5, "b": 0, "c": 1, "d": 2})
+    assert (d.replica, d.reason, d.matched_blocks) == ("c", "prefix", 2)
+    assert p.counts == {"prefix": 2, "overloaded": 1}
 
 
 def test_a_new_prompt_goes_to_the_less_loaded_of_two_random_replicas() -> None:
@@ -63,7 +69,7 @@ def test_a_shared_system_prompt_alone_does_not_pull_conversations_together() -> 
 
 
 def test_what_was_routed_is_remembered_until_the_replica_publishes() -> None:
-    p = AffinityPolicy(routed_capacity=4, rng=random.Random(0))
+    p = AffinityPolicy(routed_capacity=4, rng=random.Random(0), clock=lambda: 0.0)
     p.set_replicas(["a", "b"])
     first = p.choose([10, 11, 12], {"a": 0, "b": 0})
     p.record(first.replica, [10, 11, 12])
@@ -76,6 +82,24 @@ def test_what_was_routed_is_remembered_until_the_replica_publishes() -> None:
     # A replica that is gone is forgotten.
     p.set_replicas(["b"] if first.replica == "a" else ["a"])
     assert p.matched_blocks(first.replica, [11]) == 0
+
+
+def test_a_publication_drops_what_it_holds_and_what_the_replica_lost() -> None:
+    now = [0.0]
+    p = AffinityPolicy(routed_ttl=60.0, rng=random.Random(0), clock=lambda: now[0])
+    p.record("a", [1, 2, 3])
+    now[0] = 30.0
+    p.record("a", [7, 8])
+    now[0] = 70.0
+    # Holds 1 and 2 (now known from the report); 3 was routed 70 s ago and is not held: gone;
+    # 7 and 8 were routed 40 s ago: not computed yet, perhaps, so still counted.
+    p.publish("a", [1, 2])
+    view = p.views["a"]
+    assert view.published == {1, 2} and list(view.routed) == [7, 8]
+    assert p.matched_blocks("a", [1, 2, 3]) == 2 and p.matched_blocks("a", [7, 8]) == 2
+    now[0] = 91.0
+    p.publish("a", [1, 2])
+    assert p.matched_blocks("a", [7, 8]) == 0 and not p.views["a"].routed
 
 
 def test_bad_settings_are_refused_naming_them() -> None:

@@ -10,6 +10,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -301,3 +302,26 @@ async def _cold_answers_all_turns(model: Path, chats: list[_Chat]) -> list[list[
         return out
     finally:
         await engine.close()
+
+
+def test_bad_replica_settings_are_refused_naming_them(model_dir: MakeModel) -> None:
+    from strata_rs.ray import build_app
+
+    model = model_dir("llama")
+    with pytest.raises(ValueError, match="replicas: must be >= 1, got 0"):
+        build_app(model, replicas=0)
+    with pytest.raises(ValueError, match="min_replicas and max_replicas: give both"):
+        build_app(model, min_replicas=1)
+    with pytest.raises(ValueError, match=r"need 0 <= min <= max and max >= 1, got 3, 2"):
+        build_app(model, min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="request_router: expected one of"):
+        build_app(model, request_router="round_robin")
+    # Ray flags without --replicas: refused before anything starts.
+    out = subprocess.run(
+        serve_argv("--model", str(model), "--min-replicas", "1", "--ray-address", "auto"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: --min-replicas, --ray-address need --replicas"

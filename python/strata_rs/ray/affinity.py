@@ -5,24 +5,30 @@ runs the same code over a simulated trace (docs/scaling.md).
 A prompt is the chain of its full blocks' prefix hashes (`strata_rs.prefix_block_hashes`), the
 keys under which every engine caches K/V. A replica's view is what it last published (the hashes
 it holds on its device and in its host RAM, `Engine.cached_block_hashes`) plus what this router
-sent it since (its engine will hold those once the request ran; publishing lags). The policy:
+sent it recently (its engine will hold those once the request ran; publishing lags); a routed
+hash the replica still does not hold `routed_ttl` seconds later is dropped (evicted, or never
+computed). The policy:
 
-1. The replica holding the longest prefix of the prompt (most leading blocks) gets it ("prefix")
+1. A replica is overloaded when its load (ongoing requests) exceeds the mean load by more than
+   `imbalance` (default 8, a whole batch of the engine's default `max_batch`; in the simulation
+   of docs/scaling.md, 4 sent enough returning turns away at 4 replicas to tip the cluster past
+   its prefill capacity). Among the others (never none: the least loaded is at most the mean),
+   the one holding the longest prefix of the prompt (most leading blocks) gets it ("prefix")
    when that prefix is at least `min_match` of the prompt's blocks (a returning conversation's
    history is most of its prompt; a system prompt that many conversations share is not, and
-   following it would pile them all onto one replica). Ties go to the less loaded. When the
-   holder's load exceeds the least loaded replica's by more than `imbalance` requests, it is
-   "overloaded" and the prompt goes as in 2.
-2. Otherwise ("no_prefix"): the less loaded of two random replicas (power of two choices), and
-   of two equally loaded ones the one holding fewer blocks, which spreads new conversations
-   evenly over idle replicas.
+   following it would pile them all onto one replica). Ties go to the less loaded.
+2. Otherwise the less loaded of two random replicas that are not overloaded, and of two equally
+   loaded ones the one holding fewer blocks, which spreads new conversations evenly over idle
+   replicas: "overloaded" when only an overloaded replica held enough of the prompt, else
+   "no_prefix".
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The routing decisions, as counted.
@@ -32,9 +38,9 @@ REASONS = ("prefix", "overloaded", "no_prefix")
 @dataclass
 class _View:
     published: frozenset[int] = frozenset()
-    # Hashes of prompts routed here since, oldest first; bounded, so a replica that never
-    # publishes cannot grow the router without limit.
-    routed: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Hashes of prompts routed here and not published yet, with when (oldest first); bounded,
+    # so a replica that never publishes cannot grow the router without limit.
+    routed: OrderedDict[int, float] = field(default_factory=OrderedDict)
 
     def holds(self, h: int) -> bool:
         return h in self.published or h in self.routed
@@ -54,10 +60,12 @@ class Decision:
 class AffinityPolicy:
     def __init__(
         self,
-        imbalance: int = 4,
+        imbalance: int = 8,
         min_match: float = 0.5,
         routed_capacity: int = 1 << 16,
+        routed_ttl: float = 60.0,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if imbalance < 0:
             raise ValueError(f"imbalance: must be >= 0, got {imbalance}")
@@ -68,6 +76,8 @@ class AffinityPolicy:
         self.imbalance = imbalance
         self.min_match = min_match
         self.routed_capacity = routed_capacity
+        self.routed_ttl = routed_ttl
+        self.clock = clock
         self.rng = rng or random.Random()
         self.views: dict[Hashable, _View] = {}
         self.counts: Counter[str] = Counter()
@@ -82,8 +92,15 @@ class AffinityPolicy:
             self.views.setdefault(r, _View())
 
     def publish(self, replica: Hashable, hashes: Iterable[int]) -> None:
-        """What `replica` reports holding now (replaces its last report)."""
-        self.views.setdefault(replica, _View()).published = frozenset(hashes)
+        """What `replica` reports holding now (replaces its last report). Routed hashes it holds
+        are now known from the report; those routed more than `routed_ttl` ago that it does not
+        hold, it no longer has."""
+        view = self.views.setdefault(replica, _View())
+        view.published = frozenset(hashes)
+        cutoff = self.clock() - self.routed_ttl
+        view.routed = OrderedDict(
+            (h, t) for h, t in view.routed.items() if t >= cutoff and h not in view.published
+        )
 
     def held_blocks(self, replica: Hashable) -> int:
         """Blocks the router believes the replica holds: published, plus routed since (which
@@ -111,15 +128,21 @@ class AffinityPolicy:
         candidates = list(loads)
         if not candidates:
             raise ValueError("loads: no replica to route to")
+        mean = sum(loads.values()) / len(candidates)
+        fits = [r for r in candidates if loads[r] - mean <= self.imbalance]
         matches = {r: self.matched_blocks(r, hashes) for r in candidates}
-        least = min(loads.values())
-        best = max(candidates, key=lambda r: (matches[r], -loads[r]))
-        enough = matches[best] > 0 and matches[best] >= self.min_match * len(hashes)
-        if enough and loads[best] - least <= self.imbalance:
-            reason, chosen = "prefix", best
+        need = max(1.0, self.min_match * len(hashes))
+
+        def holder(among: list[Hashable]) -> Hashable | None:
+            best = max(among, key=lambda r: (matches[r], -loads[r]))
+            return best if matches[best] >= need else None
+
+        chosen = holder(fits)
+        if chosen is not None:
+            reason = "prefix"
         else:
-            reason = "overloaded" if enough else "no_prefix"
-            two = self.rng.sample(candidates, min(2, len(candidates)))
+            reason = "overloaded" if holder(candidates) is not None else "no_prefix"
+            two = self.rng.sample(fits, min(2, len(fits)))
             chosen = min(two, key=lambda r: (loads[r], self.held_blocks(r)))
         if count:
             self.counts[reason] += 1
@@ -129,8 +152,10 @@ class AffinityPolicy:
     def record(self, replica: Hashable, hashes: Sequence[int]) -> None:
         """The prompt went to `replica`: its engine will hold these blocks."""
         view = self.views.setdefault(replica, _View())
+        now = self.clock()
         for h in hashes:
-            view.routed[h] = None
-            view.routed.move_to_end(h)
+            if h not in view.published:
+                view.routed[h] = now
+                view.routed.move_to_end(h)
         while len(view.routed) > self.routed_capacity:
             view.routed.popitem(last=False)

@@ -30,7 +30,7 @@ def build_app(
     num_gpus: float = 0.0,
     max_ongoing_requests: int = 64,
     routing_stats_period_s: float = 1.0,
-    imbalance: int = 4,
+    imbalance: int = 8,
     min_match: float = 0.5,
     request_router: str = "affinity",
     settings: Settings | None = None,
@@ -45,8 +45,8 @@ def build_app(
     min_replicas / max_replicas turn on Ray's autoscaling (between them, `replicas` to start,
     aiming at `target_ongoing_requests` per replica). num_cpus / num_gpus: each replica's
     resources. routing_stats_period_s: how often replicas publish their prefix summary.
-    imbalance: requests by which the replica holding a prefix may exceed the least loaded one
-    before the router sends the prompt elsewhere. min_match: the fraction of a prompt's blocks a
+    imbalance: requests by which the replica holding a prefix may exceed the mean load before
+    the router sends the prompt elsewhere. min_match: the fraction of a prompt's blocks a
     replica must hold for the prompt to follow them (strata_rs.ray.affinity).
     request_router: "affinity" (ConversationAffinityRouter), or "power_of_two" (Ray Serve's
     default, which ignores where conversations are cached: for comparisons)."""

@@ -31,7 +31,7 @@ class ConversationAffinityRouter(RequestRouter):
     could not take it and another did)."""
 
     def initialize_state(
-        self, imbalance: int = 4, min_match: float = 0.5, routed_capacity: int = 1 << 16
+        self, imbalance: int = 8, min_match: float = 0.5, routed_capacity: int = 1 << 16
     ) -> None:
         self.policy = AffinityPolicy(
             imbalance=imbalance, min_match=min_match, routed_capacity=routed_capacity
