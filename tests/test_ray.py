@@ -7,6 +7,7 @@ load, checked with the soak's file verifier."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -41,7 +42,7 @@ def _system_prompt(conversation: int) -> str:
 def ray_server(model_dir: MakeModel, tmp_path: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def start(*flags: str) -> Server:
+    def start(*flags: str, env: dict[str, str] | None = None) -> Server:
         argv = serve_argv(
             "--model",
             str(model_dir("llama")),
@@ -55,7 +56,7 @@ def ray_server(model_dir: MakeModel, tmp_path: Path) -> Iterator[Callable[..., S
             "model",
             *flags,
         )
-        server = Server(argv, echo=False)
+        server = Server(argv, env=env, echo=False)
         servers.append(server)
         return server
 
@@ -157,7 +158,7 @@ def test_returning_turns_find_their_history_on_the_replica_that_holds_it(
 
 
 async def _cold_answers(model: Path, chats: list[_Chat], max_tokens: int) -> list[str]:
-    engine = await Engine.load(model, max_context=1024, host_cache_mib=0, disk_cache_mib=0)
+    engine = await Engine.load(model, max_context=4096, host_cache_mib=0, disk_cache_mib=0)
     try:
         out = []
         for chat in chats:
@@ -189,7 +190,10 @@ def test_a_killed_replica_loses_no_request_and_its_conversations_come_back_from_
 ) -> None:
     folder = tmp_path / "shared-kv"
     # The host tier off: what a replica holds is on its device or, once written, on disk.
-    server = ray_server("--disk-cache-dir", str(folder), "--host-cache-mib", "0")
+    # A long context, so that the third turns can be long enough to be killed in flight.
+    server = ray_server(
+        "--disk-cache-dir", str(folder), "--host-cache-mib", "0", "--max-context", "4096"
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     chats = [_Chat(client, i) for i in range(6)]
     for n in range(2):
@@ -200,13 +204,13 @@ def test_a_killed_replica_loses_no_request_and_its_conversations_come_back_from_
     victim = chats[0].turns[-1]["replica"]
     orphans = [c for c in chats if c.turns[-1]["replica"] == victim]
 
-    # The third turns, all at once and long (hundreds of tokens each); the victim dies while it
-    # runs those of its conversations (sent to it: it holds their history), which the ingress
-    # sends again to the other replica.
-    long = 300
+    # The third turns, all at once and long (thousands of tokens each, a second or more on any
+    # machine); the victim dies while it runs those of its conversations (sent to it: it holds
+    # their history), which the ingress sends again to the other replica.
+    long = 3000
     with ThreadPoolExecutor(len(chats)) as pool:
         futures = [pool.submit(c.turn, 2, long) for c in chats]
-        time.sleep(0.1)
+        time.sleep(0.3)
         os.kill(pids[victim], signal.SIGKILL)
         for f in futures:
             f.result(timeout=120)  # every request answered: an exception here fails the test
@@ -217,8 +221,8 @@ def test_a_killed_replica_loses_no_request_and_its_conversations_come_back_from_
         t = chat.turns
         assert t[2]["replica"] != victim, t
         assert t[2]["cached_tokens"] >= 0.9 * t[1]["prompt_tokens"], t
-    cold = asyncio.run(_cold_answers(model_dir("llama"), chats, long))
-    assert [c.turns[2]["text"] for c in chats] == cold
+    cold = asyncio.run(_cold_answers(model_dir("llama"), orphans, long))
+    assert [c.turns[2]["text"] for c in orphans] == cold
 
 
 def test_two_servers_sharing_a_disk_folder_under_load_lose_and_corrupt_nothing(
@@ -325,3 +329,74 @@ def test_bad_replica_settings_are_refused_naming_them(model_dir: MakeModel) -> N
     )
     assert out.returncode == 2
     assert out.stderr.strip() == "error: --min-replicas, --ray-address need --replicas"
+
+
+def test_a_replica_whose_engine_stopped_fails_its_health_check_and_is_replaced(
+    ray_server: Callable[..., Server],
+) -> None:
+    import ray
+    from ray import serve
+
+    # Without Ray's token authentication, so that this test's process can join the cluster.
+    server = ray_server(
+        "--disk-cache-mib", "0", "--health-check-seconds", "1", env={"RAY_AUTH_MODE": "disabled"}
+    )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    _Chat(client, 0).turn(0)  # the router exists from the first request on
+    before = set(_replica_pids(server.url, 2))
+    # Join the server's local Ray as a second driver, to reach a replica the way Ray does.
+    line = next(x for x in server.lines if "Ray cluster at " in x)
+    gcs = line.split("Ray cluster at ")[1].strip()
+    ray.init(address=gcs, logging_level="WARNING", log_to_driver=False)
+    try:
+        handle = serve.get_deployment_handle("EngineReplica", app_name="strata")
+        handle._inject_fault.remote().result(timeout_s=30)
+    finally:
+        ray.shutdown()
+    # Ray's health check (every second here) fails on the stopped engine and a new replica
+    # replaces it; the router learns of it as requests come.
+    deadline = time.monotonic() + 120
+    replaced: set[str] = set()
+    n = 0
+    while time.monotonic() < deadline and not replaced:
+        n += 1
+        with contextlib.suppress(openai.APIStatusError):  # the stopped one answers 503
+            _Chat(client, n).turn(0)
+        found = re.findall(r'strata_replica_info\{replica="(\w+)"', _metrics(server.url))
+        replaced = set(found) - before
+        time.sleep(0.5)
+    assert replaced, _metrics(server.url)
+    # Once replaced, both replicas answer.
+    answered = {_Chat(client, i).turn(0)["replica"] for i in range(6)}
+    assert len(answered) == 2 and answered <= set(_replica_pids(server.url, 2)), answered
+
+
+def test_build_app_hands_resources_autoscaling_and_engine_options_to_ray(
+    model_dir: MakeModel,
+) -> None:
+    from strata_rs.ray import build_app
+
+    app = build_app(
+        model_dir("llama"),
+        replicas=2,
+        min_replicas=1,
+        max_replicas=3,
+        target_ongoing_requests=2,
+        num_cpus=1.5,
+        num_gpus=0.5,
+        health_check_period_s=2.0,
+        max_batch=4,
+    )
+    # The deployment as Ray will run it (its attributes are Ray's; the Application has no
+    # public accessor for the deployments it binds).
+    engines = app._bound_deployment.init_args[0]._bound_deployment
+    config = engines._deployment_config
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 2, 3)
+    assert scaling.target_ongoing_requests == 2
+    assert engines.ray_actor_options == {"num_cpus": 1.5, "num_gpus": 0.5}
+    assert config.health_check_period_s == 2.0
+    assert engines.init_args[1] == {"disk_write_when_idle": True, "max_batch": 4}
+    router = config.request_router_config
+    assert router.request_router_kwargs == {"imbalance": 8, "min_match": 0.5}
+    assert router.request_routing_stats_period_s == 1.0

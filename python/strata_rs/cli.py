@@ -344,7 +344,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--disk-write-when-idle",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="whenever the engine falls idle, write its cached K/V not on disk yet to the disk "
         "tier, so conversations survive a killed process (default: off; on with --replicas)",
@@ -376,6 +376,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="with --replicas: affinity (default) sends a conversation to the replica holding "
         "its history; power_of_two is Ray Serve's own, blind to it (for comparisons)",
+    )
+    s.add_argument(
+        "--health-check-seconds",
+        type=float,
+        default=None,
+        help="with --replicas: how often Ray checks each replica's engine (default 5); a "
+        "replica whose engine stopped is replaced",
     )
     s.add_argument(
         "--replica-cpus",
@@ -839,14 +846,18 @@ def _serve(args: argparse.Namespace) -> int:
         "layer_split": args.layer_split,
         "vram_reserve_mib": args.vram_reserve_mib,
     }
-    if args.disk_write_when_idle is not None:
-        options["disk_write_when_idle"] = args.disk_write_when_idle
+    # On by default with replicas (they share the disk tier), off for one server.
+    write_when_idle = args.disk_write_when_idle
+    options["disk_write_when_idle"] = (
+        args.replicas is not None if write_when_idle is None else write_when_idle
+    )
     ray_only = (
         "min_replicas",
         "max_replicas",
         "target_ongoing_requests",
         "ray_address",
         "request_router",
+        "health_check_seconds",
     )
     if args.replicas is None:
         given = [f"--{k.replace('_', '-')}" for k in ray_only if getattr(args, k) is not None]
@@ -869,6 +880,7 @@ def _serve(args: argparse.Namespace) -> int:
             replica_cpus=args.replica_cpus,
             replica_gpus=args.replica_gpus,
             request_router=args.request_router or "affinity",
+            health_check_seconds=args.health_check_seconds or 5.0,
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
             log_level=args.log_level,

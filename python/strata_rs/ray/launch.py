@@ -40,6 +40,7 @@ def serve_on_ray(
     replica_cpus: float = 1.0,
     replica_gpus: float = 0.0,
     request_router: str = "affinity",
+    health_check_seconds: float = 5.0,
     api_key: str | None = None,
     max_body_bytes: int = 4 * 1024 * 1024,
     log_level: str = "info",
@@ -85,6 +86,7 @@ def serve_on_ray(
             num_cpus=replica_cpus,
             num_gpus=replica_gpus,
             request_router=request_router,
+            health_check_period_s=health_check_seconds,
             settings=settings,
             **engine_options,
         )
@@ -99,7 +101,8 @@ def serve_on_ray(
         logger.info("signal %d: shutting down the replicas", signum)
         stop.set()
 
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    context = ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    logger.info("Ray cluster at %s", context.address_info.get("gcs_address", address))
     try:
         serve.start(http_options={"host": host, "port": port})
         # After Ray's start, which installs handlers of its own that would kill the process.

@@ -163,6 +163,11 @@ class EngineReplica:
             "pid": os.getpid(),
         }
 
+    def _inject_fault(self) -> None:
+        """Makes the engine's next step fail as a bug would (`Engine._inject_fault`): for tests of
+        the health check."""
+        self.engine._inject_fault()
+
     def check_health(self) -> None:
         """Ray's health check: a stopped engine fails it, and Ray replaces the replica."""
         stopped = self.engine.stats()["stopped"]
