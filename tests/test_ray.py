@@ -144,6 +144,17 @@ def test_returning_turns_find_their_history_on_the_replica_that_holds_it(
     routed = _routed(server.url)
     assert routed["prefix"] >= 10 and routed["fallback"] == 0, routed
     assert sum(routed.values()) == 18, routed
+    # Every replica's own metrics, labelled by replica, once each has published since (every
+    # second; Ray hands the publications to the router within a few).
+    sent = sum(t["prompt_tokens"] for c in chats for t in c.turns)
+    pattern = r'strata:prompt_tokens_total\{replica="(\w+)"\} (\S+)'
+    deadline = time.monotonic() + 30
+    counted = re.findall(pattern, _metrics(server.url))
+    while sum(float(n) for _, n in counted) != sent and time.monotonic() < deadline:
+        time.sleep(0.25)
+        counted = re.findall(pattern, _metrics(server.url))
+    assert {rid for rid, _ in counted} == {t["replica"] for c in chats for t in c.turns}
+    assert sum(float(n) for _, n in counted) == sent, counted
     # A streamed answer through the ingress is the same answer, chunk by chunk.
     chat = chats[0]
     stream = client.chat.completions.create(
@@ -252,6 +263,8 @@ def test_two_servers_sharing_a_disk_folder_under_load_lose_and_corrupt_nothing(
         "model",
     ]
     servers = [Server(serve_argv(*flags), echo=False) for _ in range(2)]
+    for s in servers:
+        s.wait_healthy()  # a plain server listens before its model has loaded
     try:
         clients = [
             openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0) for s in servers
@@ -270,6 +283,7 @@ def test_two_servers_sharing_a_disk_folder_under_load_lose_and_corrupt_nothing(
                     # A restart's startup scan while the other server writes.
                     servers[0].stop()
                     servers[0] = Server(serve_argv(*flags), echo=False)
+                    servers[0].wait_healthy()
                     clients[0] = openai.OpenAI(
                         base_url=servers[0].url + "/v1", api_key="unused", max_retries=0
                     )

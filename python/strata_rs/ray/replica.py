@@ -161,6 +161,8 @@ class EngineReplica:
             "prefix_hit_tokens": s["prefix_hit_tokens"],
             "generated_tokens": s["generated_tokens"],
             "pid": os.getpid(),
+            # The replica's whole /metrics text, which the ingress shows labelled by replica.
+            "metrics": self.app.state.strata.metrics.render().decode(),
         }
 
     def _inject_fault(self) -> None:

@@ -100,7 +100,9 @@ class ConversationAffinityRouter(RequestRouter):
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
         """Each replica's last published stats (without the hashes), by replica id."""
+        # Read from Ray's replica records, which it updates as replicas publish, not from what
+        # the last routing decision saw.
         return {
-            rid.unique_id: {k: v for k, v in stats.items() if k != "hashes"}
-            for rid, stats in self.published.items()
+            rid.unique_id: {k: v for k, v in (r.routing_stats or {}).items() if k != "hashes"}
+            for rid, r in self.curr_replicas.items()
         }
