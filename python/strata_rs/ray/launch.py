@@ -15,7 +15,7 @@ from types import FrameType
 from typing import Any
 
 from strata_rs.server.app import Settings
-from strata_rs.server.serve import configure_logging, model_name
+from strata_rs.server.serve import configure_logging, resolve_model
 
 logger = logging.getLogger("strata_rs.server")
 
@@ -59,17 +59,12 @@ def serve_on_ray(
         logger.error("--replicas needs Ray Serve: pip install 'strata-rs[ray]' (%s)", e)
         return 2
     demo = model is None
-    if model is None:
-        from strata_rs.demo import DEMO_MODEL_NAME, DemoNotInstalled, demo_model_path
-
-        try:
-            model = demo_model_path()
-        except DemoNotInstalled as e:
-            logger.error("no --model given, and %s", e)
-            return 2
-        served_model_name = served_model_name or DEMO_MODEL_NAME
+    resolved = resolve_model(model, served_model_name)
+    if resolved is None:
+        return 2
+    model, served_model_name = resolved
     settings = Settings(
-        served_model_name=served_model_name or model_name(Path(model)),
+        served_model_name=served_model_name,
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         demo=demo,

@@ -41,6 +41,26 @@ def model_name(path: Path) -> str:
     return stem
 
 
+def resolve_model(model: Path | None, served_model_name: str | None) -> tuple[Path, str] | None:
+    """The model to serve and its name: `model` and its file or folder name, or without one the
+    demo model (logged); None, logged, when there is no model and the demo is not installed."""
+    if model is not None:
+        return model, served_model_name or model_name(Path(model))
+    from strata_rs.demo import DEMO_MODEL_NAME, DemoNotInstalled, demo_model_path
+
+    try:
+        model = demo_model_path()
+    except DemoNotInstalled as e:
+        logger.error("no --model given, and %s", e)
+        return None
+    logger.warning(
+        "no --model given: serving the demo model %s from %s; pass --model to serve another",
+        DEMO_MODEL_NAME,
+        model,
+    )
+    return model, served_model_name or DEMO_MODEL_NAME
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True)
 
@@ -139,20 +159,10 @@ def serve(
 
     configure_logging(log_level)
     demo = model is None
-    if model is None:
-        from strata_rs.demo import DEMO_MODEL_NAME, DemoNotInstalled, demo_model_path
-
-        try:
-            model = demo_model_path()
-        except DemoNotInstalled as e:
-            logger.error("no --model given, and %s", e)
-            return 2
-        served_model_name = served_model_name or DEMO_MODEL_NAME
-        logger.warning(
-            "no --model given: serving the demo model %s from %s; pass --model to serve another",
-            DEMO_MODEL_NAME,
-            model,
-        )
+    resolved = resolve_model(model, served_model_name)
+    if resolved is None:
+        return 2
+    model, served_model_name = resolved
     path = model
 
     async def load() -> Engine:
@@ -160,7 +170,7 @@ def serve(
         return await Engine.load(path, **engine_options)
 
     settings = Settings(
-        served_model_name=served_model_name or model_name(Path(path)),
+        served_model_name=served_model_name,
         api_key=api_key or None,
         max_body_bytes=max_body_bytes,
         demo=demo,
