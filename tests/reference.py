@@ -1,12 +1,13 @@
-"""Independent NumPy reference forward pass for Llama-family, Gemma 3 and
-mixture-of-experts (Qwen3-MoE, Mixtral) HF model folders and Llama-family GGUF
-files (read and dequantized by the `gguf` package).
+"""Independent NumPy reference forward pass for Llama-family, Gemma 3,
+mixture-of-experts (Qwen3-MoE, Mixtral) and Phi-3 HF model folders and GGUF
+files of those architectures (read and dequantized by the `gguf` package).
 
 Written from the Hugging Face transformers semantics (LlamaForCausalLM,
 MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM,
-Qwen3MoeForCausalLM, MixtralForCausalLM), not from strata-rs code, and computed
-in float64 so it is a trustworthy yardstick for the engine's float32 output
-(tests/test_transformers_parity.py checks it against transformers itself).
+Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM), not from strata-rs
+code, and computed in float64 so it is a trustworthy yardstick for the engine's
+float32 output (tests/test_transformers_parity.py checks it against
+transformers itself).
 """
 
 from __future__ import annotations
@@ -168,6 +169,54 @@ def rope_attention_factor(config: Mapping[str, Any]) -> float:
     return mscale(1.0)
 
 
+# Phi3Config's default original_max_position_embeddings.
+PHI3_ORIGINAL_CONTEXT = 4096
+
+
+def phi3_rope(
+    config: Mapping[str, Any], head_dim: int, context: int | None = None
+) -> tuple[np.ndarray, float, int]:
+    """Phi-3's RoPE: (inverse frequencies of the rotary_dim / 2 rotated pairs, the factor on
+    cos and sin, rotary_dim).
+
+    rotary_dim = int(head_dim * partial_rotary_factor), the factor read where transformers 5
+    reads it: from rope_parameters (or a v4 rope_scaling) when there, else the top-level key.
+    LongRoPE divides each frequency by its factor, the long list's when the served `context`
+    (default max_position_embeddings) exceeds the original context, the short one's otherwise:
+    the engine's rule (llama.cpp's), chosen once per context. transformers chooses per forward
+    by the sequence's length instead; the two agree whenever the sequence runs past the
+    original context exactly when the served context does. The original context is the
+    top-level original_max_position_embeddings (Phi3Config's default 4096 without it), which
+    transformers 5 copies over any value inside rope_parameters. The cos/sin factor is
+    attention_factor when set, else sqrt(1 + ln f / ln original) for f = the scaling's
+    `factor` if set, else max_position_embeddings / original, and 1 when f <= 1."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, Mapping):
+        params = config.get("rope_scaling") or {}
+    fraction = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    rotary_dim = int(head_dim * float(1.0 if fraction is None else fraction))
+    theta, scaling = _rope_params(config)
+    base = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    if scaling is None:
+        return base, 1.0, rotary_dim
+    # Phi3Config reads the older spellings "su" and "yarn" as longrope.
+    if scaling["rope_type"] not in ("longrope", "su", "yarn"):
+        raise NotImplementedError(f"phi3 rope_type {scaling['rope_type']!r}")
+    original = int(config.get("original_max_position_embeddings") or PHI3_ORIGINAL_CONTEXT)
+    max_positions = int(config["max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1.0 + math.log(factor) / math.log(original))
+    served = max_positions if context is None else int(context)
+    ext = scaling["long_factor"] if served > original else scaling["short_factor"]
+    ext = np.asarray(ext, dtype=np.float64)
+    if ext.shape != base.shape:
+        raise ValueError(f"phi3 LongRoPE factors: {len(ext)} for rotary_dim {rotary_dim}")
+    return base / ext, float(attention), rotary_dim
+
+
 # Gemma3TextConfig's defaults for the bases of its two layer types.
 GEMMA3_FULL_THETA = 1_000_000.0
 GEMMA3_SLIDING_THETA = 10_000.0
@@ -255,7 +304,9 @@ def _layer_window(config: Mapping[str, Any], layer: int) -> int | None:
     window = config.get("sliding_window")
     if window is None:
         return None
-    if family in ("mistral", "mixtral"):
+    if family in ("mistral", "mixtral", "phi3"):
+        # Phi3Model slides config.sliding_window over every layer (Hub configs set it past the
+        # context, 262144, or to 2047 for the 4K models).
         return int(window)
     if family == "qwen3_moe":
         # Qwen3MoeConfig (transformers 5) keeps sliding_window only with use_sliding_window and
@@ -329,18 +380,22 @@ def _attention_mask(n: int, window: int | None, rows: range | None = None) -> np
 
 
 def reference_logits(
-    model_dir: Path | str, token_ids: list[int], matmul_inputs: str = "f32"
+    model_dir: Path | str,
+    token_ids: list[int],
+    matmul_inputs: str = "f32",
+    *,
+    context: int | None = None,
 ) -> np.ndarray:
     """HF-semantics forward over the whole sequence; float64 [n, vocab]. A `.gguf`
-    path runs the same forward over the file's tensors, dequantized. `matmul_inputs`: see
-    `forward`."""
+    path runs the same forward over the file's tensors, dequantized. `matmul_inputs` and
+    `context`: see `forward`."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".gguf":
         config, raw, freqs = load_gguf(model_dir)
-        return forward(config, raw, token_ids, freqs, matmul_inputs)
+        return forward(config, raw, token_ids, freqs, matmul_inputs, context=context)
     config = json.loads((model_dir / "config.json").read_text())
     raw = load_weights(model_dir)
-    return forward(config, raw, token_ids, None, matmul_inputs)
+    return forward(config, raw, token_ids, None, matmul_inputs, context=context)
 
 
 # GGUF architecture -> HF model_type.
@@ -350,6 +405,7 @@ _GGUF_ARCH = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "qwen3moe": "qwen3_moe",
+    "phi3": "phi3",
 }
 # Stacked experts (GGUF) -> each expert's HF name after `experts.E.`, per family.
 _GGUF_EXPERTS = {
@@ -376,6 +432,13 @@ _GGUF_GEMMA3_LAYER = {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Phi-3's fused projections keep their fused HF names (llama.cpp's ffn_up is the fused
+# gate_up_proj, gate rows first).
+_GGUF_PHI3_LAYER = {
+    **_GGUF_LAYER,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
 }
 _GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -433,7 +496,7 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
         elif name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
             base, suffix = rest.rsplit(".", 1)
-            names = _GGUF_GEMMA3_LAYER if arch == "gemma3" else _GGUF_LAYER
+            names = {"gemma3": _GGUF_GEMMA3_LAYER, "phi3": _GGUF_PHI3_LAYER}.get(arch, _GGUF_LAYER)
             name = f"model.layers.{layer}.{names[base]}.{suffix}"
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _from_adjacent_pairs(data, head_dim)
@@ -499,6 +562,30 @@ def load_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], np.nda
         config["query_pre_attn_scalar"] = hidden // head_count if layers == 62 else head_dim
         config["final_logit_softcapping"] = field("gemma3.final_logit_softcapping")
         config["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "phi3":
+        # llama.cpp's phi3: rope.dimension_count rotated dims of each head, LongRoPE as two
+        # factor tensors with the original context, the cos/sin factor as a key (absent: 1,
+        # llama.cpp's default), a window over every layer unless it is 0.
+        rotary_dim = int(field("phi3.rope.dimension_count", head_dim))
+        context = int(field("phi3.context_length"))
+        original = field("phi3.rope.scaling.original_context_length")
+        window = field("phi3.attention.sliding_window")
+        config.update(
+            max_position_embeddings=context,
+            original_max_position_embeddings=int(original) if original else context,
+            partial_rotary_factor=rotary_dim / head_dim,
+            sliding_window=int(window) if window else None,
+            intermediate_size=int(field("phi3.feed_forward_length")),
+        )
+        long = raw.pop("rope_factors_long.weight", None)
+        short = raw.pop("rope_factors_short.weight", None)
+        if long is not None and short is not None:
+            config["rope_scaling"] = {
+                "rope_type": "longrope",
+                "long_factor": long.astype(np.float64).tolist(),
+                "short_factor": short.astype(np.float64).tolist(),
+                "attention_factor": float(field("phi3.rope.scaling.attn_factor", 1.0)),
+            }
     freqs = None
     factors = raw.pop("rope_freqs.weight", None)
     if factors is not None:
@@ -569,12 +656,16 @@ def forward(
     freqs: np.ndarray | None,
     matmul_inputs: str = "f32",
     router_logits: dict[int, np.ndarray] | None = None,
+    *,
+    context: int | None = None,
 ) -> np.ndarray:
     """The forward pass over HF-named tensors; `freqs` overrides the config's RoPE.
     `matmul_inputs="bf16"` rounds every weight matmul's input rows to bf16 first, the
     arithmetic of an engine whose info["matmul_inputs"] says so (and of a PyTorch bf16 model).
     A `router_logits` dict receives each MoE layer's router logits [n, experts] by layer index
-    (for tests of how decisively the tiny models route)."""
+    (for tests of how decisively the tiny models route). `context` is the context the engine
+    serves, which picks Phi-3's LongRoPE factors (see `phi3_rope`; default
+    max_position_embeddings); other families ignore it."""
     if matmul_inputs not in ("f32", "bf16"):
         raise ValueError(f"matmul_inputs {matmul_inputs!r}")
     rounded = round_bf16 if matmul_inputs == "bf16" else (lambda v: v)
@@ -583,8 +674,20 @@ def forward(
         return _linear(rounded(x), w(name), bias)
 
     family = config["model_type"]
-    if family not in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral"):
+    if family not in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3_text",
+        "qwen3_moe",
+        "mixtral",
+        "phi3",
+    ):
         raise NotImplementedError(f"model_type {family!r}")
+    phi3 = family == "phi3"
+    if phi3 and freqs is not None:
+        raise NotImplementedError("RoPE frequencies from a Phi-3 GGUF file")
     gemma = family == "gemma3_text"
     if gemma and freqs is not None:
         raise NotImplementedError("RoPE frequencies from a Gemma 3 GGUF file")
@@ -606,8 +709,13 @@ def forward(
     eps = float(config["rms_norm_eps"])
     group = n_heads // n_kv
     # Per layer: (RoPE frequencies, cos/sin factor). Gemma 3's full and sliding layers each
-    # have their own; every other family has one for all layers.
-    if gemma:
+    # have their own; every other family has one for all layers. Phi-3 rotates only the first
+    # rotary_dim dimensions of each head; the others rotate all of them.
+    rotary_dim = head_dim
+    if phi3:
+        phi3_freqs, phi3_scale, rotary_dim = phi3_rope(config, head_dim, context)
+        shared = (phi3_freqs, phi3_scale)
+    elif gemma:
         ropes: dict[str, tuple[np.ndarray, float]] = {}
         for layer_type in ("full_attention", "sliding_attention"):
             single = gemma3_rope_config(config, layer_type)
@@ -638,9 +746,15 @@ def forward(
         p = f"model.layers.{layer}."
         layer_freqs, rope_scale = ropes[gemma3_layer_type(config, layer)] if gemma else shared
         h = norm(x, w(p + "input_layernorm.weight"), eps)
-        q = mm(h, p + "self_attn.q_proj.weight", maybe(p + "self_attn.q_proj.bias"))
-        k = mm(h, p + "self_attn.k_proj.weight", maybe(p + "self_attn.k_proj.bias"))
-        v = mm(h, p + "self_attn.v_proj.weight", maybe(p + "self_attn.v_proj.bias"))
+        if phi3:
+            # One fused projection: q rows, then k, then v.
+            qkv = mm(h, p + "self_attn.qkv_proj.weight")
+            q_end, k_end = n_heads * head_dim, (n_heads + n_kv) * head_dim
+            q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+        else:
+            q = mm(h, p + "self_attn.q_proj.weight", maybe(p + "self_attn.q_proj.bias"))
+            k = mm(h, p + "self_attn.k_proj.weight", maybe(p + "self_attn.k_proj.bias"))
+            v = mm(h, p + "self_attn.v_proj.weight", maybe(p + "self_attn.v_proj.bias"))
         q = q.reshape(n, n_heads, head_dim).transpose(1, 0, 2)
         k = k.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
         v = v.reshape(n, n_kv, head_dim).transpose(1, 0, 2)
@@ -648,8 +762,18 @@ def forward(
             # Qwen3 (dense and MoE) and Gemma 3 normalize each head's q and k before RoPE.
             q = norm(q, w(p + "self_attn.q_norm.weight"), eps)
             k = norm(k, w(p + "self_attn.k_norm.weight"), eps)
-        q = apply_rope(q, positions, layer_freqs, rope_scale)
-        k = apply_rope(k, positions, layer_freqs, rope_scale)
+        if rotary_dim < head_dim:
+            # rotate_half within the rotated part; the rest passes through (unscaled).
+            r = rotary_dim
+            q = np.concatenate(
+                [apply_rope(q[..., :r], positions, layer_freqs, rope_scale), q[..., r:]], -1
+            )
+            k = np.concatenate(
+                [apply_rope(k[..., :r], positions, layer_freqs, rope_scale), k[..., r:]], -1
+            )
+        else:
+            q = apply_rope(q, positions, layer_freqs, rope_scale)
+            k = apply_rope(k, positions, layer_freqs, rope_scale)
         # GQA: query head hq reads kv head hq // group.
         k = np.repeat(k, group, axis=0)
         v = np.repeat(v, group, axis=0)
@@ -680,6 +804,11 @@ def forward(
             h = norm(x, w(p + "post_attention_layernorm.weight"), eps)
         if family == "mixtral" or (family == "qwen3_moe" and qwen3_moe_sparse_layer(config, layer)):
             out = _moe_block(config, raw, p, h, rounded, router_logits, layer)
+        elif phi3:
+            # gate_up_proj's output rows: the gate's, then the up projection's.
+            gate_up = mm(h, p + "mlp.gate_up_proj.weight")
+            gate, up = np.split(gate_up, 2, axis=-1)
+            out = mm(_silu(gate) * up, p + "mlp.down_proj.weight")
         else:
             gate = mm(h, p + "mlp.gate_proj.weight")
             up = mm(h, p + "mlp.up_proj.weight")

@@ -89,7 +89,7 @@ async def test_unknown_model_type(model_dir: MakeModel, tmp_path: Path) -> None:
         await Engine.load(d)
     assert str(e.value) == (
         f'{d / "config.json"}: model_type: unsupported model type "gpt_neox" '
-        "(supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral)"
+        "(supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral, phi3)"
     )
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3"]
 GEN = 6
 
 

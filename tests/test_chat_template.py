@@ -39,6 +39,15 @@ SPECIAL_TOKENS: dict[str, dict[str, Any]] = {
     },
     "pyisms": {"bos_token": "<s>", "eos_token": "</s>"},
     "gemma3": {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+    # Phi-3-mini-4k-instruct / Phi-3.5-mini-instruct: eos is <|endoftext|> here; generation
+    # stops at <|end|> through generation_config's eos_token_id list, not tokenizer_config.
+    "phi3": {
+        "bos_token": "<s>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<unk>",
+        "pad_token": "<|endoftext|>",
+    },
+    "phi4_mini": {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"},
 }
 
 ALL_SPECIALS = [
@@ -58,6 +67,12 @@ ALL_SPECIALS = [
     "<start_of_turn>",
     "<end_of_turn>",
     "<start_of_image>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|tool|>",
+    "<|/tool|>",
 ]
 
 TOOLS: list[dict[str, Any]] = [
@@ -159,13 +174,44 @@ MULTIMODAL: list[Message] = [
     {"role": "tool", "content": None},
 ]
 
+# Phi-3.5-mini's template drops a system turn whose content is empty.
+PHI3_EMPTY_SYSTEM: list[Message] = [
+    {"role": "system", "content": ""},
+    {"role": "user", "content": "Hi there"},
+]
+
+# Phi-4-mini's template ignores the tools variable: the tools go in the system message, as a
+# JSON string under "tools", and are rendered between <|tool|> and <|/tool|>.
+PHI4_TOOLS_IN_SYSTEM: list[Message] = [
+    {
+        "role": "system",
+        "content": "You are a helpful assistant with some tools.",
+        "tools": json.dumps([tool["function"] for tool in TOOLS]),
+    },
+    {"role": "user", "content": "What is the weather like in Zürich today?"},
+]
+
+PHI4_TOOLS_NONE_IN_SYSTEM: list[Message] = [
+    {"role": "system", "content": "Be brief.", "tools": None},
+    {"role": "user", "content": "Hi there"},
+]
+
 # (template, conversation name, messages, extra template variables)
 Case = tuple[str, str, list[Message], dict[str, Any]]
 
 
 def cases() -> list[Case]:
     out: list[Case] = []
-    for template in ["qwen25", "qwen3", "llama3", "mistral", "pyisms", "gemma3"]:
+    for template in [
+        "qwen25",
+        "qwen3",
+        "llama3",
+        "mistral",
+        "pyisms",
+        "gemma3",
+        "phi3",
+        "phi4_mini",
+    ]:
         for name, messages in SIMPLE.items():
             out.append((template, name, messages, {}))
     for template in ["qwen25", "qwen3"]:
@@ -185,6 +231,11 @@ def cases() -> list[Case]:
     )
     out.append(("pyisms", "multimodal", MULTIMODAL, {}))
     out.append(("gemma3", "multimodal", MULTIMODAL[:3], {}))
+    out.append(("phi3", "empty_system", PHI3_EMPTY_SYSTEM, {}))
+    out.append(("phi4_mini", "tools_given", SIMPLE["multi_turn"], {"tools": TOOLS}))
+    out.append(("phi4_mini", "tools_no_system", SIMPLE["single_user"], {"tools": TOOLS}))
+    out.append(("phi4_mini", "tools_in_system", PHI4_TOOLS_IN_SYSTEM, {}))
+    out.append(("phi4_mini", "tools_none_in_system", PHI4_TOOLS_NONE_IN_SYSTEM, {}))
     return out
 
 

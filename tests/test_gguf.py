@@ -122,6 +122,57 @@ async def test_gemma3_file_answers_as_its_folder(tmp_path: Path) -> None:
         check(await engine_logits(path, SEQ), path, f"gemma3 {dtype}")
 
 
+def longrope(rotary_dim: int) -> dict[str, Any]:
+    """LongRoPE factors for `rotary_dim` rotated dimensions (distinct short and long sets)."""
+    n = rotary_dim // 2
+    return {
+        "type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 0.4 * i for i in range(n)],
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dtypes"),
+    [
+        # Phi-3: half of each head rotates, untied, LongRoPE past the original 64 positions, a
+        # 48-token window.
+        ({"partial_rotary_factor": 0.5, "rope_scaling": longrope(32)}, ("q8_0", "q4_k")),
+        # Phi-4-mini's shape of it: three quarters rotate, tied embeddings. Not Q4_K: on this
+        # model (windowless) llama.cpp's own Q4_K logits are 3.97% of the range off the
+        # reference of the file, past the bound of tests/quantized_logits.py (3.54%), and
+        # strata's 4.16%; on the llama model of the same shape both are at 2.2%.
+        (
+            {
+                "partial_rotary_factor": 0.75,
+                "rope_scaling": longrope(48),
+                "tie_word_embeddings": True,
+            },
+            ("q8_0", "q6_k"),
+        ),
+    ],
+    ids=["phi3", "phi4-mini"],
+)
+async def test_phi3_file_answers_as_its_folder(
+    tmp_path: Path, overrides: dict[str, Any], dtypes: tuple[str, ...]
+) -> None:
+    """A phi3 file holds q/k/v and gate/up fused (attn_qkv, ffn_up) and the LongRoPE factors
+    as tensors; it answers as its folder, quantized as the reference of its file."""
+    from strata_rs.testing.models import make_model
+
+    folder = make_model(tmp_path / "phi", "phi3", "tiny", "f32", 0, **SHAPE, **overrides)
+    want = await engine_logits(folder, SEQ)
+    f32 = export_gguf(folder, tmp_path / "phi-f32.gguf", "f32")
+    # The file stores the attention factor in f32 (the folder's is computed in f64).
+    np.testing.assert_allclose(
+        await engine_logits(f32, SEQ), want, rtol=0, atol=1e-5 * np.ptp(want)
+    )
+    check_quantized_logits(want, reference_logits(f32, SEQ), "phi3 f32 file")
+    for dtype in dtypes:
+        path = export_gguf(folder, tmp_path / f"phi-{dtype}.gguf", dtype)
+        check(await engine_logits(path, SEQ), path, f"phi3 {dtype}")
+
+
 @pytest.mark.parametrize(
     ("family", "overrides", "dtype"),
     [

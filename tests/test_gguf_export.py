@@ -10,6 +10,7 @@ the export's own checks need only the `gguf` package (a test dependency).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     # Stacked experts; llama.cpp's qwen3moe has no dense layers and always renormalizes.
     ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
     ("mixtral", {}),
+    # Fused attn_qkv and ffn_up, half of each head rotated, LongRoPE past the 64-token original
+    # context (llama.cpp's n_ctx 128 and the reference's 256 both pick the long factors); the
+    # window of 48 does not reach the 40 tokens (llama.cpp ignores phi3's window anyway: "Phi SWA
+    # is currently disabled"). Then Phi-3-mini-4k's plain RoPE.
+    ("phi3", {}),
+    ("phi3", {"rope_scaling": None}),
 ]
 
 
@@ -90,7 +97,10 @@ def exported(
         if key not in cache:
             folder = model_dir(family, "f32", **overrides)
             out = tmp_path_factory.mktemp("gguf") / f"{family}.gguf"
-            cache[key] = (folder, export_gguf(folder, out, "f32"))
+            # llama.cpp fixes up the special tokens of models whose general.name says Phi-3,
+            # looking up SentencePiece's <s>, </s> and <unk>, which the tiny byte-level
+            # vocabulary lacks: the file is named otherwise.
+            cache[key] = (folder, export_gguf(folder, out, "f32", name="tiny"))
         return cache[key]
 
     return export
@@ -181,6 +191,81 @@ def test_export_metadata(exported: Callable[..., tuple[Path, Path]]) -> None:
     assert len(fields["tokenizer.ggml.tokens"]) == VOCAB
     assert fields["tokenizer.ggml.token_type"][:3] == [int(gguf.TokenType.CONTROL)] * 3
     assert "<|im_start|>" in fields["tokenizer.chat_template"]
+
+
+# Phi-4-mini's RoPE (three quarters of each head rotated) with a tied head, in transformers 5's
+# spelling.
+PHI4_MINI: dict[str, Any] = {
+    "rope_form": "v5",
+    "partial_rotary_factor": 0.75,
+    "rope_scaling": {
+        "long_factor": [1.25, 1.5, 2.0, 2.5, 3.25, 4.0],
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.75],
+        "type": "longrope",
+    },
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("variant", ["phi3", "phi4-mini", "no-scaling"])
+def test_export_phi3_as_llama_cpp_converts_it(tmp_path: Path, variant: str) -> None:
+    # The keys and tensors of llama.cpp's converter (convert_hf_to_gguf.py, Phi3MiniModel).
+    from strata_rs.testing.models import make_model
+
+    overrides = {"phi4-mini": PHI4_MINI, "no-scaling": {"rope_scaling": None}}.get(variant, {})
+    folder = make_model(tmp_path / variant, "phi3", **overrides)
+    path = export_gguf(folder, tmp_path / "m.gguf", "f32")
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    rotary = 12 if variant == "phi4-mini" else 8
+    want = {
+        "general.architecture": "phi3",
+        "phi3.context_length": 256,
+        "phi3.rope.scaling.original_context_length": 64,
+        "phi3.embedding_length": 64,
+        "phi3.feed_forward_length": 128,
+        "phi3.block_count": 2,
+        "phi3.attention.head_count": 4,
+        "phi3.attention.head_count_kv": 2,
+        "phi3.rope.dimension_count": rotary,
+        "phi3.rope.freq_base": 10000.0,
+        "phi3.attention.sliding_window": 48,
+    }
+    assert {k: fields.get(k) for k in want} == want
+    assert fields["phi3.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    # No key or value length: head_dim is hidden_size / heads.
+    assert "phi3.attention.key_length" not in fields
+    tensors = {t.name: (t.tensor_type, [int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    f32 = gguf.GGMLQuantizationType.F32
+    # Fused, q rows then k then v (no permutation: llama.cpp rotates phi3 in halves), and the
+    # fused gate_up_proj as ffn_up, gate rows first.
+    assert tensors["blk.1.attn_qkv.weight"] == (f32, [(4 + 2 * 2) * 16, 64])
+    assert tensors["blk.1.ffn_up.weight"] == (f32, [2 * 128, 64])
+    assert tensors["blk.1.ffn_down.weight"] == (f32, [64, 128])
+    assert "blk.0.ffn_gate.weight" not in tensors and "blk.0.attn_q.weight" not in tensors
+    assert ("output.weight" in tensors) == (variant != "phi4-mini")
+    if variant == "no-scaling":
+        assert "phi3.rope.scaling.attn_factor" not in fields
+        assert not {"rope_factors_long.weight", "rope_factors_short.weight"} & set(tensors)
+    else:
+        # sqrt(1 + ln(256 / 64) / ln 64), stored f32.
+        assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(math.sqrt(4 / 3), 1e-7)
+        scaling = PHI4_MINI["rope_scaling"] if variant == "phi4-mini" else None
+        config = json.loads((folder / "config.json").read_text())
+        scaling = scaling or config["rope_scaling"]
+        by_name = {t.name: t for t in reader.tensors}
+        for which in ("long", "short"):
+            t = by_name[f"rope_factors_{which}.weight"]
+            assert tensors[t.name] == (f32, [rotary // 2])
+            np.testing.assert_array_equal(
+                np.asarray(t.data), np.float32(scaling[f"{which}_factor"])
+            )
+    # The reference reads the file back to the model it came from (factors and the attention
+    # factor stored f32), for either choice of LongRoPE factors.
+    for context in (64, 256):
+        want_logits = reference_logits(folder, SEQ, context=context)
+        got = reference_logits(path, SEQ, context=context)
+        assert np.abs(got - want_logits).max() <= 1e-6 * float(np.ptp(want_logits))
 
 
 def test_export_bf16_rounds_and_keeps_norms_f32(

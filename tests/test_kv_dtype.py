@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3"]
 KV_DTYPES = ["f32", "f16", "bf16", "q8_0"]
 
 # Teacher-forced positions compared per family.

@@ -193,6 +193,23 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("qwen3", {"head_dim": 32}),  # head_dim != hidden_size / heads, as in real Qwen3
     ("qwen3", {"num_key_value_heads": 1}),  # MQA
     ("qwen3", {"rope_theta": 1000000.0}),
+    # Phi-3: the short LongRoPE factors (the original context is the whole context), no scaling
+    # (Phi-3-mini-4k), no window, a tied head, Phi-4-mini's three-quarter rotary part.
+    ("phi3", {"original_max_position_embeddings": 256}),
+    ("phi3", {"rope_scaling": None}),
+    ("phi3", {"sliding_window": None}),
+    ("phi3", {"tie_word_embeddings": True}),
+    (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {
+                "long_factor": [1.25, 1.5, 2.0, 2.5, 3.25, 4.0],
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.75],
+                "type": "longrope",
+            },
+        },
+    ),
 ]
 
 
@@ -208,6 +225,40 @@ async def test_config_variants(
     ids = SEQ[:48]
     (logits,) = await engine_logits(path, [ids], device="cpu", max_batch_tokens=16)
     assert_close(logits, reference(path, ids))
+
+
+@pytest.mark.parametrize("max_context", [64, 65, 256])
+async def test_phi3_longrope_follows_the_served_context(
+    model_dir: MakeModel, max_context: int
+) -> None:
+    # The engine picks Phi-3's LongRoPE factors once, by the context it serves: the short ones
+    # up to the original context (64 in the tiny model), the long ones past it, whatever the
+    # sequence's length (so K/V never change with it); the attention factor is the model's.
+    path = model_dir("phi3")
+    ids = SEQ[:60]
+    expected = reference_logits(path, ids, context=max_context)
+    short, long = (reference_logits(path, ids, context=c) for c in (64, 65))
+    assert np.abs(short - long).max() > 100 * F32_REL_TOL * float(np.ptp(short))
+    (logits,) = await engine_logits(path, [ids], device="cpu", max_context=max_context)
+    assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("naming", ["v4", "v5"])
+async def test_gemma3_vision_language_folder_runs_its_text_model(
+    model_dir: MakeModel, tmp_path: Path, naming: str
+) -> None:
+    # A `gemma3` folder (Gemma3ForConditionalGeneration, gemma-3-4b and up) holds the text model
+    # under language_model.model. (transformers 4) or model.language_model. (5) beside a vision
+    # tower and projector: the engine runs the text model alone, to the bit as its own folder.
+    from strata_rs.testing.models import vision_language_folder
+
+    text = model_dir("gemma3")
+    folder = vision_language_folder(text, tmp_path / naming, naming)
+    (want,), _ = await engine_logits_info(text, [SEQ], device="cpu")
+    (got,), info = await engine_logits_info(folder, [SEQ], device="cpu")
+    np.testing.assert_array_equal(got, want)
+    assert info["model_type"] == "gemma3"
+    assert_close(got, reference(text, SEQ))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -516,7 +516,7 @@ def test_config_json_variations(model_dir: MakeModel, tmp_path: Path) -> None:
         (
             {"rope_scaling": {"rope_type": "dynamic"}},
             'rope_scaling.rope_type: unsupported rope scaling "dynamic" (supported: default,'
-            " linear, llama3, yarn)",
+            " linear, llama3, yarn, longrope)",
         ),
         (
             {"rope_scaling": {"rope_type": "yarn"}},

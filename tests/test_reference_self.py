@@ -19,6 +19,7 @@ from reference import (
     gemma3_rope_config,
     inv_freq,
     load_weights,
+    phi3_rope,
     read_safetensors,
     read_safetensors_header,
     reference_logits,
@@ -69,6 +70,17 @@ def expected_shapes(config: dict) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
+        if family == "phi3":
+            # Phi3Attention's qkv_proj (q, k, v rows) and Phi3MLP's gate_up_proj (gate, up rows).
+            out |= {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.qkv_proj.weight": [q + 2 * kv, h],
+                p + "self_attn.o_proj.weight": [h, q],
+                p + "mlp.gate_up_proj.weight": [2 * i, h],
+                p + "mlp.down_proj.weight": [h, i],
+            }
+            continue
         out |= {
             p + "input_layernorm.weight": [h],
             p + "post_attention_layernorm.weight": [h],
@@ -142,6 +154,7 @@ def test_config_and_side_files(models: dict[tuple[str, str], Path], family: str)
             "gemma3": "Gemma3ForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
             "mixtral": "MixtralForCausalLM",
+            "phi3": "Phi3ForCausalLM",
         }[family]
     ]
     assert config["hidden_size"] == 64
@@ -180,6 +193,23 @@ def test_config_and_side_files(models: dict[tuple[str, str], Path], family: str)
         assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
         assert config["final_logit_softcapping"] is None
         assert config["attn_logit_softcapping"] is None
+    if family == "phi3":
+        # No head_dim key (hidden / heads = 16), half of it rotated: 4 LongRoPE factors a list;
+        # 100 tokens run past the 64-token original context; a window of 48 in every layer.
+        assert "head_dim" not in config and config["partial_rotary_factor"] == 0.5
+        assert config["max_position_embeddings"] == 256
+        assert config["original_max_position_embeddings"] == 64
+        scaling = config["rope_scaling"]
+        assert scaling["type"] == "longrope" and set(scaling) == {
+            "type",
+            "long_factor",
+            "short_factor",
+        }
+        assert len(scaling["long_factor"]) == len(scaling["short_factor"]) == 4
+        assert len(set(scaling["long_factor"]) | set(scaling["short_factor"])) == 8
+        assert config["sliding_window"] == 48 and config["rope_theta"] == 10000.0
+        assert config["pad_token_id"] == 0 and config["hidden_act"] == "silu"
+        assert config["resid_pdrop"] == config["embd_pdrop"] == config["attention_dropout"] == 0
     if family == "qwen2":
         assert "attention_bias" not in config and config["use_sliding_window"] is False
     if family == "mistral":
@@ -574,6 +604,139 @@ def test_gemma3_final_softcap(tmp_path: Path, f32_logits: dict[str, np.ndarray])
     np.testing.assert_allclose(capped, 30.0 * np.tanh(plain / 30.0), rtol=0, atol=1e-12)
     assert np.abs(capped - plain).max() > 1e-4 * (plain.max() - plain.min())
     assert (capped.argmax(1) == plain.argmax(1)).all()
+
+
+# --------------------------------------------------------------------------
+# Phi-3
+
+
+def test_phi3_rope() -> None:
+    cfg = build_config("phi3", "tiny")
+    base = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)  # rotary_dim 8 of head_dim 16
+    long, short = cfg["rope_scaling"]["long_factor"], cfg["rope_scaling"]["short_factor"]
+    stretch = math.sqrt(1 + math.log(256 / 64) / math.log(64))
+    # Served context 256 (max_position_embeddings) > 64: the long factors; up to 64 the short.
+    for context, factors in ((None, long), (65, long), (64, short), (8, short)):
+        freqs, scale, rotary_dim = phi3_rope(cfg, 16, context)
+        assert rotary_dim == 8 and scale == pytest.approx(stretch, rel=1e-15)
+        np.testing.assert_allclose(freqs, base / np.array(factors), rtol=1e-15)
+    # The whole context within the original one: short factors, no stretch.
+    freqs, scale, _ = phi3_rope({**cfg, "original_max_position_embeddings": 256}, 16)
+    np.testing.assert_allclose(freqs, base / np.array(short), rtol=1e-15)
+    assert scale == 1.0
+    # An explicit attention_factor wins; a `factor` replaces max / original in the formula.
+    explicit = {**cfg, "rope_scaling": {**cfg["rope_scaling"], "attention_factor": 1.25}}
+    assert phi3_rope(explicit, 16)[1] == 1.25
+    factor = {**cfg, "rope_scaling": {**cfg["rope_scaling"], "factor": 16.0}}
+    assert phi3_rope(factor, 16)[1] == pytest.approx(math.sqrt(1 + math.log(16) / math.log(64)))
+    # No scaling: plain frequencies over the rotated part, and partial_rotary_factor 0.75.
+    plain = phi3_rope({**cfg, "rope_scaling": None, "partial_rotary_factor": 0.75}, 16)
+    np.testing.assert_allclose(plain[0], 1.0 / 10000.0 ** (np.arange(0, 12, 2) / 12))
+    assert plain[1:] == (1.0, 12)
+    # transformers 5's spelling reads the same; its rope_parameters' partial_rotary_factor wins.
+    v5 = build_config("phi3", "tiny", rope_form="v5")
+    np.testing.assert_array_equal(phi3_rope(v5, 16)[0], phi3_rope(cfg, 16)[0])
+    v5_other = {**v5, "rope_parameters": {**v5["rope_parameters"], "partial_rotary_factor": 1.0}}
+    with pytest.raises(ValueError, match="4 for rotary_dim 16"):
+        phi3_rope(v5_other, 16)
+
+
+def test_phi3_v5_rope_parameters() -> None:
+    # What transformers 5's Phi3Config writes: rope_type inside, partial_rotary_factor and the
+    # original context copied in (and still at top level).
+    cfg = build_config("phi3", "tiny", rope_form="v5")
+    assert cfg["rope_parameters"] == {
+        "long_factor": [1.5, 2.25, 3.0, 3.75],
+        "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.25, 1.75, 2.5],
+    }
+    assert cfg["partial_rotary_factor"] == 0.5 and cfg["original_max_position_embeddings"] == 64
+    plain = build_config("phi3", "tiny", rope_form="v5", rope_scaling=None)
+    assert plain["rope_parameters"] == {
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 10000.0,
+        "rope_type": "default",
+    }
+
+
+def test_phi3_is_llama_with_fused_projections(models: dict[tuple[str, str], Path]) -> None:
+    # With every dimension rotated, no scaling and no window, Phi-3 is Llama with q/k/v and
+    # gate/up fused: split the tensors and the Llama forward gives the same logits.
+    d = models["phi3", "f32"]
+    config = json.loads((d / "config.json").read_text())
+    config.update(partial_rotary_factor=1.0, rope_scaling=None, sliding_window=None)
+    raw = load_weights(d)
+    split = dict(raw)
+    for n in range(2):
+        p = f"model.layers.{n}."
+        q, k, v = np.split(split.pop(p + "self_attn.qkv_proj.weight"), [64, 96])
+        gate, up = np.split(split.pop(p + "mlp.gate_up_proj.weight"), 2)
+        split |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k}
+        split |= {p + "self_attn.v_proj.weight": v, p + "mlp.gate_proj.weight": gate}
+        split[p + "mlp.up_proj.weight"] = up
+    llama = {**config, "model_type": "llama"}
+    np.testing.assert_allclose(
+        forward(config, raw, SEQ, None), forward(llama, split, SEQ, None), rtol=0, atol=1e-12
+    )
+
+
+def test_phi3_served_context_picks_the_factors(
+    tmp_path: Path, models: dict[tuple[str, str], Path], f32_logits: dict[str, np.ndarray]
+) -> None:
+    # Serving at most the original 64 positions is the model with the short factors in the long
+    # list (the attention factor still the model's); the default serves max_position_embeddings.
+    d = models["phi3", "f32"]
+    short = reference_logits(d, SEQ, context=64)
+    scaling = build_config("phi3", "tiny")["rope_scaling"]
+    same = make_model(
+        tmp_path / "m", "phi3", rope_scaling={**scaling, "long_factor": scaling["short_factor"]}
+    )
+    np.testing.assert_array_equal(short, reference_logits(same, SEQ))
+    np.testing.assert_array_equal(reference_logits(d, SEQ, context=256), f32_logits["phi3"])
+    np.testing.assert_array_equal(reference_logits(d, SEQ, context=65), f32_logits["phi3"])
+
+
+# Phi-3 features the tiny model must exercise: each changed alone moves the argmax of the
+# 100-token sequence at 10 positions or more (measured: 29, 10, 84, 65, 70, 71, 25, 67).
+_PHI3_SCALING = build_config("phi3", "tiny")["rope_scaling"]
+PHI3_CHANGES: dict[str, dict[str, Any]] = {
+    "no-window": {"sliding_window": None},
+    "window-47": {"sliding_window": 47},
+    "all-rotary": {
+        "partial_rotary_factor": 1.0,
+        "rope_scaling": {
+            **_PHI3_SCALING,
+            "long_factor": _PHI3_SCALING["long_factor"] * 2,
+            "short_factor": _PHI3_SCALING["short_factor"] * 2,
+        },
+    },
+    "no-scaling": {"rope_scaling": None},
+    "long-is-short": {
+        "rope_scaling": {**_PHI3_SCALING, "long_factor": _PHI3_SCALING["short_factor"]}
+    },
+    "unit-long-factors": {"rope_scaling": {**_PHI3_SCALING, "long_factor": [1.0] * 4}},
+    "attention-factor-1.25": {"rope_scaling": {**_PHI3_SCALING, "attention_factor": 1.25}},
+    "original-context-256": {"original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("change", PHI3_CHANGES)
+def test_phi3_features_show(tmp_path: Path, f32_logits: dict[str, np.ndarray], change: str) -> None:
+    other = reference_logits(make_model(tmp_path / "m", "phi3", **PHI3_CHANGES[change]), SEQ)
+    assert (other.argmax(1) != f32_logits["phi3"].argmax(1)).sum() >= 10
+
+
+def test_phi3_presets() -> None:
+    # Phi3Config takes longrope or no scaling: not llama-1b's llama3.
+    with pytest.raises(ValueError, match="phi3"):
+        build_config("phi3", "llama-1b")
+    smol = build_config("phi3", "smollm-135m", "bf16")
+    assert smol["rope_scaling"] is None and smol["original_max_position_embeddings"] == 8192
+    one = build_config("phi3", "smollm-135m", num_hidden_layers=1)
+    assert {k: list(v.shape) for k, v in make_weights(one).items()} == expected_shapes(one)
 
 
 # --------------------------------------------------------------------------

@@ -4,8 +4,10 @@ every tiny family.
 The engine's logit tests trust the reference; this checks the reference's semantics against
 the modelling code it was written from, and the engine against it directly: each tiny f32
 model (and Gemma 3's variants: its transformers-5 RoPE spelling, a final soft cap, a Hub-style
-config with only sliding_window_pattern, attn_logit_softcapping set; and the MoE families':
-norm_topk_prob off, another decoder_sparse_step, sliding windows) runs through
+config with only sliding_window_pattern, attn_logit_softcapping set; the MoE families':
+norm_topk_prob off, another decoder_sparse_step, sliding windows; Phi-3's: the short LongRoPE
+factors, Phi-4-mini's three-quarter rotary part with tied embeddings, no scaling, an explicit
+attention_factor) runs through
 AutoModelForCausalLM.from_pretrained in float64 on the same 100 tokens as the reference. The MoE
 folders hold one tensor per expert as the Hub's checkpoints do; transformers 5 fuses them into
 its 3-D expert tensors on load, and the test asserts that none is left out or made up.
@@ -40,7 +42,11 @@ SEQ = np.random.default_rng(1234).integers(0, 512, 100).tolist()
 # makes its float32 angles the coarsest. With Gemma 3's RoPE and norms patched to float64 the
 # difference falls to 1.1e-15: the rest is float32 rounding, not a difference in semantics.
 # qwen3_moe 9.6e-8 (7.9e-8..1.1e-7 over its variants), mixtral 2.3e-7 (sliding 1.9e-7); their
-# routers' softmax is float32 too, and the argmax agrees everywhere.
+# routers' softmax is float32 too, and the argmax agrees everywhere. phi3 6.9e-7 (v5 the same),
+# phi3-short 1.6e-7, phi3-phi4-mini 8.9e-7, phi3-no-scaling 1.5e-7, phi3-attention-factor
+# 8.3e-7: LongRoPE's float32 factors and cos/sin scaled above 1 make these the largest; with
+# Phi-3's RoPE (inverse frequencies, angles, cos/sin) and RMSNorm patched to float64 every phi3
+# case falls to 1e-15.
 TOLERANCE = 1e-6
 # The engine computes in float32 throughout: the f32 tolerance of tests/test_logits.py.
 ENGINE_TOLERANCE = 1e-4
@@ -82,6 +88,40 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"use_sliding_window": True, "sliding_window": 8},
     ),
     "mixtral-sliding-window": ("mixtral", "v4", {"sliding_window": 8}),
+    # Phi-3 with the original context at least the sequence's (here the whole context): both
+    # transformers (by the sequence's length) and the engine (by the served context) take the
+    # short factors, and the attention factor is 1 (no stretch).
+    "phi3-short": ("phi3", "v4", {"original_max_position_embeddings": 256}),
+    # Phi-4-mini's shape of RoPE: three quarters of each head rotate (12 of 16, 6 factors per
+    # list), tied embeddings, transformers 5's spelling.
+    "phi3-phi4-mini": (
+        "phi3",
+        "v5",
+        {
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {
+                "long_factor": [1.25, 1.5, 2.0, 2.5, 3.25, 4.0],
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.75],
+                "type": "longrope",
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Phi-3-mini-4k's RoPE: no scaling at all (partial rotary and the window still apply).
+    "phi3-no-scaling": ("phi3", "v4", {"rope_scaling": None}),
+    # An explicit attention_factor replaces sqrt(1 + ln 4 / ln 64) on cos and sin.
+    "phi3-attention-factor": (
+        "phi3",
+        "v4",
+        {
+            "rope_scaling": {
+                "attention_factor": 1.25,
+                "long_factor": [1.5, 2.25, 3.0, 3.75],
+                "short_factor": [1.0, 1.25, 1.75, 2.5],
+                "type": "longrope",
+            }
+        },
+    ),
 }
 
 
@@ -137,3 +177,28 @@ async def engine_logits(folder: Path) -> np.ndarray:
         return await engine.logits(SEQ)
     finally:
         await engine.close()
+
+
+@pytest.mark.parametrize("naming", ["v4", "v5"])
+def test_gemma3_vision_language_folder_matches_transformers(tmp_path: Path, naming: str) -> None:
+    """A `gemma3` folder as Gemma3ForConditionalGeneration saves it (text model under
+    language_model.model. or model.language_model.): transformers' text-only logits, and the
+    engine's. Our vision tower is a stub (transformers initializes the rest of it); none of the
+    text model's tensors may be missing or unexpected."""
+    from strata_rs.testing.models import vision_language_folder
+
+    text = make_model(tmp_path / "text", "gemma3", "tiny", "f32")
+    folder = vision_language_folder(text, tmp_path / naming, naming)
+    model, info = transformers.AutoModelForImageTextToText.from_pretrained(
+        folder, dtype=torch.float64, output_loading_info=True
+    )
+    assert type(model).__name__ == "Gemma3ForConditionalGeneration"
+    assert not [k for k in info["missing_keys"] if "vision_tower" not in k], info
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([SEQ])).logits[0].numpy()
+    engine = np.asarray(asyncio.run(engine_logits(folder)), dtype=np.float64)
+    error = np.abs(engine - want).max() / (want.max() - want.min())
+    assert error <= ENGINE_TOLERANCE, f"{naming}: max |engine - transformers| = {error:.3g}"
+    assert (engine.argmax(1) == want.argmax(1)).all()

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("out", type=Path, help="folder to write")
     m.add_argument(
         "--family",
-        choices=("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"),
+        choices=("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3"),
         default=None,
         help="default: the preset's (llama for the generic ones)",
     )

@@ -24,6 +24,7 @@ use crate::kv::blocks::{BlockPool, KvDtype};
 use crate::model::config::ModelConfig;
 use crate::model::kernels::cpu::matmul_bf16dot;
 use crate::model::kernels::cpu::quant::QuantType;
+use crate::model::kernels::cpu::rope::RopeScaling;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::weights::DType;
 use crate::model::{Model, ModelSource};
@@ -518,7 +519,7 @@ impl Engine {
             kv_dtype,
             quantize,
             model.bf16_dot,
-            BLOCK_SIZE,
+            max_context,
         );
         let layout = BlockLayout {
             salt,
@@ -996,19 +997,21 @@ pub fn cuda_kv_refusal(d: KvDtype) -> StrataError {
 
 /// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
 /// header and a sample of its bytes, and the type it was quantized to at load), the K/V format,
-/// layout and block size, so that cached K/V never crosses any of them, also on disk across restarts. The sample (64 windows of 4 KiB spread
-/// over each file) tells a retrained model from the one it replaced without reading every weight.
+/// layout and block size, so that cached K/V never crosses any of them, also on disk across
+/// restarts. The sample (64 windows of 4 KiB spread over each file) tells a retrained model from
+/// the one it replaced without reading every weight. LongRoPE rotates keys by one factor set or
+/// the other as the context served (`max_context`) passes the original one: the set counts too.
 fn fingerprint(
     source: &ModelSource,
     config: &ModelConfig,
     kv_dtype: KvDtype,
     quantize: Option<QuantType>,
     bf16_dot: bool,
-    block_size: usize,
+    max_context: usize,
 ) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
     let mut parts: Vec<u64> = vec![
-        block_size as u64,
+        BLOCK_SIZE as u64,
         u64::from(kv_dtype.code()),
         crate::kv::blocks::KV_LAYOUT_VERSION,
     ];
@@ -1020,6 +1023,14 @@ fn fingerprint(
         parts.push(xxh3_64(b"bf16_dot"));
     }
     parts.push(config.vocab_size as u64);
+    if let RopeScaling::LongRope { .. } = config.rope_scaling {
+        let set: &[u8] = if config.rope_scaling.uses_long_factors(max_context) {
+            b"longrope long"
+        } else {
+            b"longrope short"
+        };
+        parts.push(xxh3_64(set));
+    }
     if let ModelSource::Folder(dir) = source {
         if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
             parts.push(xxh3_64(&bytes));

@@ -1,5 +1,6 @@
-//! config.json -> ModelConfig, for the Llama family (llama, mistral, qwen2, qwen3), Gemma 3 and
-//! the mixture-of-experts families Qwen3-MoE and Mixtral.
+//! config.json -> ModelConfig, for the Llama family (llama, mistral, qwen2, qwen3), Gemma 3,
+//! Phi-3 (and Phi-4-mini, which is a phi3) and the mixture-of-experts families Qwen3-MoE and
+//! Mixtral.
 
 use std::path::Path;
 
@@ -19,6 +20,9 @@ pub enum Family {
     Qwen3Moe,
     /// Mistral's attention with mixture-of-experts MLPs.
     Mixtral,
+    /// Phi-3 and Phi-4-mini: Llama's layer with fused q/k/v and gate/up projections, a partial
+    /// rotary embedding and LongRoPE.
+    Phi3,
 }
 
 impl Family {
@@ -31,6 +35,7 @@ impl Family {
             Family::Gemma3 => "gemma3",
             Family::Qwen3Moe => "qwen3_moe",
             Family::Mixtral => "mixtral",
+            Family::Phi3 => "phi3",
         }
     }
 }
@@ -84,6 +89,9 @@ pub struct ModelConfig {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// The dimensions of each q/k head that RoPE rotates: `head_dim`, or Phi's
+    /// `partial_rotary_factor` of it (the rest pass through).
+    pub rotary_dim: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
     pub rope_theta: f64,
@@ -123,7 +131,7 @@ pub struct ModelConfig {
 }
 
 /// The `model_type`s read.
-const SUPPORTED_TYPES: &str = "llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral";
+const SUPPORTED_TYPES: &str = "llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral, phi3";
 
 /// Bounds no real model comes near. Past them, sizes computed from config.json before the weights
 /// are checked against it (per-layer lists, heads x head_dim) would overflow or allocate without
@@ -139,11 +147,13 @@ pub const MAX_EXPERTS: usize = 4096;
 struct Fields<'a> {
     file: &'a Path,
     map: &'a Map<String, Value>,
+    /// Where `map` sits in the file ("text_config." for a vision-language folder's text model).
+    prefix: &'a str,
 }
 
 impl Fields<'_> {
     fn err(&self, field: &str, reason: impl std::fmt::Display) -> StrataError {
-        StrataError::model_load(self.file, format!("{field}: {reason}"))
+        StrataError::model_load(self.file, format!("{}{field}: {reason}", self.prefix))
     }
 
     fn opt(&self, field: &str) -> Option<&Value> {
@@ -213,13 +223,32 @@ impl ModelConfig {
         let map = json
             .as_object()
             .ok_or_else(|| StrataError::model_load(file, "expected a JSON object"))?;
-        let f = Fields { file, map };
-
-        let model_type = f
+        let top = Fields {
+            file,
+            map,
+            prefix: "",
+        };
+        let model_type = top
             .opt("model_type")
-            .ok_or_else(|| f.err("model_type", "missing"))?
+            .ok_or_else(|| top.err("model_type", "missing"))?
             .as_str()
-            .ok_or_else(|| f.err("model_type", "expected a string"))?;
+            .ok_or_else(|| top.err("model_type", "expected a string"))?;
+        // Gemma 3's vision-language folders (4B and up): the text model runs alone, from
+        // text_config, which states only what differs from Gemma3TextConfig's defaults.
+        if model_type == "gemma3" {
+            let text = match top.opt("text_config") {
+                Some(Value::Object(m)) => m,
+                Some(_) => return Err(top.err("text_config", "expected an object")),
+                None => return Err(top.err("text_config", "missing")),
+            };
+            let text = with_gemma3_defaults(text);
+            let f = Fields {
+                file,
+                map: &text,
+                prefix: "text_config.",
+            };
+            return Self::parse_fields(&f, Family::Gemma3);
+        }
         let family = match model_type {
             "llama" => Family::Llama,
             "mistral" => Family::Mistral,
@@ -228,20 +257,23 @@ impl ModelConfig {
             "gemma3_text" => Family::Gemma3,
             "qwen3_moe" => Family::Qwen3Moe,
             "mixtral" => Family::Mixtral,
-            "gemma3" => {
-                return Err(f.err(
-                    "model_type",
-                    "\"gemma3\" is Gemma 3's vision-language folder, not supported yet; its \
-                     text-only models (gemma3_text, e.g. gemma-3-270m and gemma-3-1b) are",
-                ))
-            }
+            "phi3" => Family::Phi3,
             other => {
-                return Err(f.err(
+                return Err(top.err(
                     "model_type",
                     format!("unsupported model type {other:?} (supported: {SUPPORTED_TYPES})"),
                 ))
             }
         };
+        if family == Family::Gemma3 {
+            let map = with_gemma3_defaults(map);
+            return Self::parse_fields(&Fields { map: &map, ..top }, family);
+        }
+        Self::parse_fields(&top, family)
+    }
+
+    /// The config of `family` from `f`'s fields.
+    fn parse_fields(f: &Fields, family: Family) -> Result<ModelConfig> {
         let gemma = family == Family::Gemma3;
 
         let hidden_size = f.positive("hidden_size")?;
@@ -283,6 +315,12 @@ impl ModelConfig {
                 "more than 16 query heads per key/value head is not supported",
             ));
         }
+        // Phi-3 states the context it was trained at beside the one it serves; LongRoPE reads
+        // it (transformers' Phi3Config: 4096 when unstated, whatever rope_parameters says).
+        let original_max_positions = match f.usize_opt("original_max_position_embeddings")? {
+            None if family == Family::Phi3 => Some(4096),
+            n => n,
+        };
 
         // transformers 5 moves rope_theta and the scaling into `rope_parameters`, and keys them
         // by layer type for Gemma 3 (its sliding layers have a RoPE of their own).
@@ -293,10 +331,10 @@ impl ModelConfig {
         };
         let (rope_params, rope_params_field, local_params) = match rope_params {
             Some(m) if m.contains_key("full_attention") => (
-                Some(object(&f, m, "rope_parameters", "full_attention")?),
+                Some(object(f, m, "rope_parameters", "full_attention")?),
                 "rope_parameters.full_attention",
                 m.get("sliding_attention")
-                    .map(|_| object(&f, m, "rope_parameters", "sliding_attention"))
+                    .map(|_| object(f, m, "rope_parameters", "sliding_attention"))
                     .transpose()?,
             ),
             other => (other, "rope_parameters", None),
@@ -304,7 +342,7 @@ impl ModelConfig {
         let default_theta = if gemma { 1_000_000.0 } else { 10000.0 };
         let rope_theta = match f.f64_opt("rope_theta")? {
             Some(t) => t,
-            None => theta_in(&f, rope_params, rope_params_field)?.unwrap_or(default_theta),
+            None => theta_in(f, rope_params, rope_params_field)?.unwrap_or(default_theta),
         };
         if rope_theta <= 0.0 {
             return Err(f.err("rope_theta", "must be > 0"));
@@ -315,13 +353,48 @@ impl ModelConfig {
             None if gemma => 131072,
             None => 2048,
         };
-        let rope_scaling = match f.opt("rope_scaling") {
-            Some(Value::Object(m)) => {
-                parse_rope_scaling(&f, "rope_scaling", m, max_position_embeddings)?
+        // transformers reads partial_rotary_factor from the RoPE object first (transformers 5
+        // writes it there and at the top level), then from the top level.
+        let inner_partial = f
+            .opt("rope_scaling")
+            .and_then(Value::as_object)
+            .into_iter()
+            .chain(rope_params)
+            .find_map(|m| m.get("partial_rotary_factor").filter(|v| !v.is_null()));
+        let partial = match inner_partial {
+            Some(v) => Some(v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| {
+                f.err(
+                    "partial_rotary_factor",
+                    format!("expected a number, found {v}"),
+                )
+            })?),
+            None => f.f64_opt("partial_rotary_factor")?,
+        };
+        let rotary_dim = match partial {
+            None => head_dim,
+            Some(p) if p > 0.0 && p <= 1.0 => {
+                // transformers: int(head_dim * partial_rotary_factor).
+                let d = (head_dim as f64 * p) as usize;
+                if d < 2 || !d.is_multiple_of(2) {
+                    return Err(f.err(
+                        "partial_rotary_factor",
+                        format!("{p} of head_dim {head_dim} is {d} dimensions, not an even number"),
+                    ));
+                }
+                d
             }
+            Some(p) => return Err(f.err("partial_rotary_factor", format!("{p} is not in (0, 1]"))),
+        };
+        let context = RopeContext {
+            max_positions: max_position_embeddings,
+            original_max_positions,
+            rotary_dim,
+        };
+        let rope_scaling = match f.opt("rope_scaling") {
+            Some(Value::Object(m)) => parse_rope_scaling(f, "rope_scaling", m, &context)?,
             Some(_) => return Err(f.err("rope_scaling", "expected an object or null")),
             None => match rope_params {
-                Some(m) => parse_rope_scaling(&f, rope_params_field, m, max_position_embeddings)?,
+                Some(m) => parse_rope_scaling(f, rope_params_field, m, &context)?,
                 None => RopeScaling::None,
             },
         };
@@ -331,13 +404,13 @@ impl ModelConfig {
             let field = "rope_parameters.sliding_attention";
             let theta = match f.f64_opt("rope_local_base_freq")? {
                 Some(t) => t,
-                None => theta_in(&f, local_params, field)?.unwrap_or(10000.0),
+                None => theta_in(f, local_params, field)?.unwrap_or(10000.0),
             };
             if theta <= 0.0 {
                 return Err(f.err("rope_local_base_freq", "must be > 0"));
             }
             let scaling = match local_params {
-                Some(m) => parse_rope_scaling(&f, field, m, max_position_embeddings)?,
+                Some(m) => parse_rope_scaling(f, field, m, &context)?,
                 None => RopeScaling::None,
             };
             Some(LocalRope { theta, scaling })
@@ -359,7 +432,7 @@ impl ModelConfig {
             return Err(f.err("mlp_bias", "MLP biases are not supported"));
         }
         let sliding_window = match family {
-            Family::Mistral | Family::Mixtral => f.usize_opt("sliding_window")?,
+            Family::Mistral | Family::Mixtral | Family::Phi3 => f.usize_opt("sliding_window")?,
             Family::Gemma3 => Some(f.usize_opt("sliding_window")?.unwrap_or(4096)),
             Family::Qwen2 | Family::Qwen3 | Family::Qwen3Moe
                 if f.bool_opt("use_sliding_window")?.unwrap_or(false) =>
@@ -446,6 +519,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
+            rotary_dim,
             vocab_size: f.at_most("vocab_size", f.positive("vocab_size")?, MAX_VOCAB)?,
             rms_norm_eps: eps as f32,
             rope_theta,
@@ -464,7 +538,7 @@ impl ModelConfig {
             query_pre_attn_scalar,
             final_logit_softcap,
             local_rope,
-            moe: parse_moe(&f, family, num_layers)?,
+            moe: parse_moe(f, family, num_layers)?,
         })
     }
 
@@ -496,6 +570,27 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
     }
+}
+
+/// `map` over the defaults of transformers' Gemma3TextConfig for the sizes a config must
+/// otherwise state (Gemma 3's Hub configs omit what equals them; gemma-3-4b's text_config has no
+/// vocab_size, for one). The other Gemma defaults are `parse`'s own.
+fn with_gemma3_defaults(map: &Map<String, Value>) -> Map<String, Value> {
+    let mut out: Map<String, Value> = [
+        ("vocab_size", 262_208),
+        ("hidden_size", 2304),
+        ("intermediate_size", 9216),
+        ("num_hidden_layers", 26),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), Value::from(v)))
+    .collect();
+    for (k, v) in map {
+        out.insert(k.clone(), v.clone());
+    }
+    out
 }
 
 /// The experts of a qwen3_moe or mixtral config (None for the dense families).
@@ -564,14 +659,24 @@ fn theta_in(f: &Fields, m: Option<&Map<String, Value>>, field: &str) -> Result<O
     }
 }
 
-/// The scaling of `m` (the config's `field`); `max_positions` is the config's
-/// `max_position_embeddings`, YaRN's original context when the scaling does not name one.
+/// What a RoPE scaling reads of the rest of the config.
+struct RopeContext {
+    /// `max_position_embeddings`: YaRN's original context when the scaling names none.
+    max_positions: usize,
+    /// The top-level `original_max_position_embeddings` (Phi-3's), if any.
+    original_max_positions: Option<usize>,
+    /// LongRoPE has one factor per rotated frequency.
+    rotary_dim: usize,
+}
+
+/// The scaling of `m` (the config's `field`).
 fn parse_rope_scaling(
     f: &Fields,
     field: &str,
     m: &Map<String, Value>,
-    max_positions: usize,
+    context: &RopeContext,
 ) -> Result<RopeScaling> {
+    let max_positions = context.max_positions;
     // transformers writes the kind as "rope_type"; older configs use "type".
     let kind = m
         .get("rope_type")
@@ -631,6 +736,55 @@ fn parse_rope_scaling(
         "linear" => Ok(RopeScaling::Linear {
             factor: num("factor")?,
         }),
+        // "su" is LongRoPE's name in the first Phi-3 configs.
+        "longrope" | "su" => {
+            let factors = |key: &str| -> Result<Vec<f64>> {
+                let name = format!("{field}.{key}");
+                let list = m
+                    .get(key)
+                    .and_then(Value::as_array)
+                    .ok_or_else(|| f.err(&name, "missing or not a list"))?;
+                let want = context.rotary_dim / 2;
+                if list.len() != want {
+                    return Err(f.err(
+                        &name,
+                        format!(
+                            "has {} factors; the rotary dimensions need {want}",
+                            list.len()
+                        ),
+                    ));
+                }
+                list.iter()
+                    .map(|v| v.as_f64().filter(|x| x.is_finite() && *x > 0.0))
+                    .collect::<Option<Vec<f64>>>()
+                    .ok_or_else(|| f.err(&name, "expected positive numbers"))
+            };
+            // transformers' _compute_longrope_parameters: the original context is the config's
+            // (max_position_embeddings when it states none); the factor of the default
+            // attention factor is the scaling's own, else the served over the original context.
+            let original = match context.original_max_positions {
+                Some(0) => {
+                    return Err(f.err("original_max_position_embeddings", "must be > 0"));
+                }
+                Some(orig) => orig as f64,
+                None => max_positions as f64,
+            };
+            let factor = match opt_num("factor")? {
+                Some(x) => x,
+                None => max_positions as f64 / original,
+            };
+            let attention_factor = match opt_num("attention_factor")? {
+                Some(a) => a,
+                None if factor <= 1.0 => 1.0,
+                None => (1.0 + factor.ln() / original.ln()).sqrt(),
+            };
+            Ok(RopeScaling::LongRope {
+                short_factors: factors("short_factor")?,
+                long_factors: factors("long_factor")?,
+                original_max_position_embeddings: original,
+                attention_factor,
+            })
+        }
         "llama3" => {
             let low = num("low_freq_factor")?;
             let high = num("high_freq_factor")?;
@@ -650,7 +804,8 @@ fn parse_rope_scaling(
         other => Err(f.err(
             &format!("{field}.rope_type"),
             format!(
-                "unsupported rope scaling {other:?} (supported: default, linear, llama3, yarn)"
+                "unsupported rope scaling {other:?} (supported: default, linear, llama3, yarn, \
+                 longrope)"
             ),
         )),
     }
@@ -772,6 +927,82 @@ mod tests {
         assert_eq!(
             c.rope_scaling.attention_factor(),
             (0.1 * 40f64.ln() + 1.0) / (0.05 * 40f64.ln() + 1.0)
+        );
+    }
+
+    #[test]
+    fn phi3_reads_partial_rotary_and_longrope() {
+        // Phi-4-mini's form: 3/4 of each head rotates, LongRoPE from a stated original context.
+        let c = parse(&format!(
+            r#"{{"model_type": "phi3", {BASE}, "partial_rotary_factor": 0.75,
+                "max_position_embeddings": 4096, "original_max_position_embeddings": 256,
+                "sliding_window": 2047, "rope_scaling": {{"type": "longrope",
+                "short_factor": [1, 1.5, 2, 2.5, 3, 3.5], "long_factor": [2, 3, 4, 5, 6, 7]}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.family, Family::Phi3);
+        assert_eq!((c.head_dim, c.rotary_dim), (16, 12));
+        assert_eq!(
+            c.rope_scaling,
+            RopeScaling::LongRope {
+                short_factors: vec![1.0, 1.5, 2.0, 2.5, 3.0, 3.5],
+                long_factors: vec![2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+                original_max_position_embeddings: 256.0,
+                // transformers: sqrt(1 + ln(4096 / 256) / ln(256)) = sqrt(1.5).
+                attention_factor: 1.5f64.sqrt(),
+            }
+        );
+        assert_eq!(c.max_position_embeddings, 4096);
+        assert_eq!((c.window(0), c.window(1)), (Some(2047), Some(2047)));
+        assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.qk_norm);
+        // An explicit attention factor.
+        let c = parse(&format!(
+            r#"{{"model_type": "phi3", {BASE}, "rope_scaling": {{"rope_type": "longrope",
+                "short_factor": [1, 1, 1, 1, 1, 1, 1, 1], "long_factor": [1, 2, 3, 4, 5, 6, 7, 8],
+                "attention_factor": 1.25}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.rotary_dim, 16);
+        assert_eq!(c.rope_scaling.attention_factor(), 1.25);
+        // As transformers 5 writes it: partial_rotary_factor inside rope_parameters wins over
+        // the top level's; the original context is the top level's (4096 when unstated, not
+        // rope_parameters' copy), and the scaling's own factor sets the attention factor.
+        let c = parse(&format!(
+            r#"{{"model_type": "phi3", {BASE}, "partial_rotary_factor": 1.0,
+                "max_position_embeddings": 131072, "rope_parameters": {{"rope_type": "longrope",
+                "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
+                "original_max_position_embeddings": 100,
+                "short_factor": [1, 1, 1, 1], "long_factor": [2, 2, 2, 2]}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(c.rotary_dim, 8);
+        let RopeScaling::LongRope {
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(original_max_position_embeddings, 4096.0);
+        assert_eq!(attention_factor, (1.0 + 4f64.ln() / 4096f64.ln()).sqrt());
+        let e = parse(&format!(
+            r#"{{"model_type": "phi3", {BASE}, "partial_rotary_factor": 0.5, "rope_scaling":
+                {{"type": "longrope", "short_factor": [1, 1], "long_factor": [1, 1, 1, 1]}}}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: rope_scaling.short_factor: has 2 factors; the rotary dimensions need 4"
+        );
+        let e = parse(&format!(
+            r#"{{"model_type": "phi3", {BASE}, "partial_rotary_factor": 0.2}}"#
+        ))
+        .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: partial_rotary_factor: 0.2 of head_dim 16 is 3 dimensions, not an \
+             even number"
         );
     }
 
@@ -911,10 +1142,51 @@ mod tests {
             assert_eq!(e.to_string(), format!("m/config.json: {want}"));
         }
         let e = parse(&format!(r#"{{"model_type": "gemma3", {BASE}}}"#)).unwrap_err();
-        assert!(
-            e.to_string()
-                .starts_with("m/config.json: model_type: \"gemma3\" is Gemma 3's vision-language"),
-            "{e}"
+        assert_eq!(e.to_string(), "m/config.json: text_config: missing");
+    }
+
+    #[test]
+    fn gemma3_vision_language_folders_run_their_text_model() {
+        // gemma-3-4b-it's config.json: text_config states what differs from Gemma3TextConfig's
+        // defaults (no vocab_size, no head count), the vision tower's config beside it.
+        let c = parse(
+            r#"{"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "boi_token_index": 255999, "eos_token_id": [1, 106], "mm_tokens_per_image": 256,
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                    "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+                "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.family, Family::Gemma3);
+        assert_eq!(
+            (
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_layers,
+                c.vocab_size
+            ),
+            (2560, 10240, 34, 262_208)
+        );
+        assert_eq!((c.num_heads, c.num_kv_heads, c.head_dim), (8, 4, 256));
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(
+            (c.rope_theta, c.window(0), c.window(5)),
+            (1e6, Some(1024), None)
+        );
+        assert!(c.tie_word_embeddings && c.post_norms);
+        // Errors name the field where it is.
+        let e = parse(r#"{"model_type": "gemma3", "text_config": {"num_hidden_layers": 0}}"#)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: text_config.num_hidden_layers: must be > 0"
+        );
+        let e = parse(r#"{"model_type": "gemma3", "text_config": 3}"#).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "m/config.json: text_config: expected an object"
         );
     }
 
@@ -923,7 +1195,7 @@ mod tests {
         let e = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "m/config.json: model_type: unsupported model type \"gpt2\" (supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral)"
+            "m/config.json: model_type: unsupported model type \"gpt2\" (supported: llama, mistral, qwen2, qwen3, gemma3_text, qwen3_moe, mixtral, phi3)"
         );
         let e = parse(r#"{"model_type": "llama", "hidden_size": 64}"#).unwrap_err();
         assert_eq!(e.to_string(), "m/config.json: num_attention_heads: missing");
@@ -938,7 +1210,7 @@ mod tests {
         .unwrap_err();
         assert_eq!(
             e.to_string(),
-            "m/config.json: rope_scaling.rope_type: unsupported rope scaling \"dynamic\" (supported: default, linear, llama3, yarn)"
+            "m/config.json: rope_scaling.rope_type: unsupported rope scaling \"dynamic\" (supported: default, linear, llama3, yarn, longrope)"
         );
         let e = parse(&format!(
             r#"{{"model_type": "qwen2", {BASE}, "rope_scaling": {{"type": "yarn", "factor": 4, "beta_fast": -1}}}}"#

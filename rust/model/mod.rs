@@ -227,6 +227,7 @@ impl ModelSource {
 /// The tensors of a model, whichever file format holds them.
 trait TensorFiles {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    fn contains(&self, name: &str) -> bool;
     fn ignore(&self, name: &str);
     fn check_all_used(&self) -> Result<()>;
 }
@@ -234,6 +235,9 @@ trait TensorFiles {
 impl TensorFiles for SafetensorsFiles {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         SafetensorsFiles::get(self, name, shape)
+    }
+    fn contains(&self, name: &str) -> bool {
+        SafetensorsFiles::contains(self, name)
     }
     fn ignore(&self, name: &str) {
         SafetensorsFiles::ignore(self, name)
@@ -247,6 +251,9 @@ impl TensorFiles for gguf::GgufModel {
     fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         gguf::GgufModel::get(self, name, shape)
     }
+    fn contains(&self, name: &str) -> bool {
+        gguf::GgufModel::contains(self, name)
+    }
     fn ignore(&self, name: &str) {
         gguf::GgufModel::ignore(self, name)
     }
@@ -259,15 +266,42 @@ impl TensorFiles for gguf::GgufModel {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Names {
     Hf,
+    /// The text model of a vision-language checkpoint (Gemma 3's `gemma3` folders), under
+    /// `language_model.model.` (transformers 4) or `model.language_model.` (5).
+    HfLanguageModel(LanguageModelPrefix),
     Gguf,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LanguageModelPrefix {
+    V4,
+    V5,
+}
+
+impl LanguageModelPrefix {
+    /// The prefix of a vision-language folder's text model, if `files` hold one.
+    fn of(files: &SafetensorsFiles) -> Option<LanguageModelPrefix> {
+        [LanguageModelPrefix::V4, LanguageModelPrefix::V5]
+            .into_iter()
+            .find(|p| files.contains(&format!("{}embed_tokens.weight", p.model())))
+    }
+
+    /// What stands for `model.` in the text model's names.
+    fn model(self) -> &'static str {
+        match self {
+            LanguageModelPrefix::V4 => "language_model.model.",
+            LanguageModelPrefix::V5 => "model.language_model.",
+        }
+    }
+}
+
 /// A layer's tensors: the Hugging Face name after `model.layers.N.`, the GGUF one after `blk.N.`.
-const LAYER_NAMES: [(&str, &str); 17] = [
+const LAYER_NAMES: [(&str, &str); 19] = [
     ("input_layernorm.weight", "attn_norm.weight"),
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
     ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
     ("self_attn.o_proj.weight", "attn_output.weight"),
     ("self_attn.q_proj.bias", "attn_q.bias"),
     ("self_attn.k_proj.bias", "attn_k.bias"),
@@ -280,25 +314,39 @@ const LAYER_NAMES: [(&str, &str); 17] = [
     ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
     ("mlp.gate_proj.weight", "ffn_gate.weight"),
     ("mlp.up_proj.weight", "ffn_up.weight"),
+    // Phi-3's fused gate and up: llama.cpp keeps it whole as ffn_up, gate rows first.
+    ("mlp.gate_up_proj.weight", "ffn_up.weight"),
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
 
 impl Names {
+    fn is_hf(self) -> bool {
+        !matches!(self, Names::Gguf)
+    }
     fn embed(self) -> &'static str {
         match self {
             Names::Hf => "model.embed_tokens.weight",
+            Names::HfLanguageModel(LanguageModelPrefix::V4) => {
+                "language_model.model.embed_tokens.weight"
+            }
+            Names::HfLanguageModel(LanguageModelPrefix::V5) => {
+                "model.language_model.embed_tokens.weight"
+            }
             Names::Gguf => "token_embd.weight",
         }
     }
     fn norm(self) -> &'static str {
         match self {
             Names::Hf => "model.norm.weight",
+            Names::HfLanguageModel(LanguageModelPrefix::V4) => "language_model.model.norm.weight",
+            Names::HfLanguageModel(LanguageModelPrefix::V5) => "model.language_model.norm.weight",
             Names::Gguf => "output_norm.weight",
         }
     }
     fn lm_head(self) -> &'static str {
         match self {
-            Names::Hf => "lm_head.weight",
+            Names::Hf | Names::HfLanguageModel(LanguageModelPrefix::V5) => "lm_head.weight",
+            Names::HfLanguageModel(LanguageModelPrefix::V4) => "language_model.lm_head.weight",
             Names::Gguf => "output.weight",
         }
     }
@@ -306,6 +354,7 @@ impl Names {
     fn layer(self, family: Family, i: usize, hf: &str) -> String {
         match self {
             Names::Hf => format!("model.layers.{i}.{hf}"),
+            Names::HfLanguageModel(p) => format!("{}layers.{i}.{hf}", p.model()),
             // Gemma's `post_attention_layernorm` is the attention output's norm, not the
             // pre-MLP norm that Llama's is.
             Names::Gguf if family == Family::Gemma3 && hf == "post_attention_layernorm.weight" => {
@@ -334,7 +383,29 @@ impl Model {
             ModelSource::Folder(dir) => {
                 let config = ModelConfig::load(dir)?;
                 let files = SafetensorsFiles::open(dir)?;
-                Self::assemble(config, &files, Names::Hf, max_positions, dir)
+                let names = match LanguageModelPrefix::of(&files) {
+                    // A vision-language checkpoint: the text model runs alone, the vision
+                    // tower and the projector stay unread in the map.
+                    Some(prefix) if config.family == Family::Gemma3 => {
+                        let names = Names::HfLanguageModel(prefix);
+                        let unread: Vec<String> = files
+                            .names()
+                            .filter(|n| {
+                                !n.starts_with(prefix.model()) && n.as_str() != names.lm_head()
+                            })
+                            .filter(|n| {
+                                ["vision_tower.", "multi_modal_projector."]
+                                    .iter()
+                                    .any(|v| n.contains(v))
+                            })
+                            .cloned()
+                            .collect();
+                        unread.iter().for_each(|n| files.ignore(n));
+                        names
+                    }
+                    _ => Names::Hf,
+                };
+                Self::assemble(config, &files, names, max_positions, dir)
             }
             ModelSource::Gguf(path) => {
                 let file = gguf::GgufModel::open(path)?;
@@ -352,12 +423,19 @@ impl Model {
                 .info(Names::Gguf.embed())
                 .map_or(0, |i| i.shape.first().copied().unwrap_or(0)),
         };
-        let factors = match file.info("rope_freqs.weight") {
-            Some(info) => {
-                let t = file.get("rope_freqs.weight", &info.shape.clone())?;
-                Some(t.to_f32_vec().into_iter().map(f64::from).collect())
+        let factors = |name: &str| -> Result<Option<Vec<f64>>> {
+            match file.info(name) {
+                Some(info) => {
+                    let t = file.get(name, &info.shape.clone())?;
+                    Ok(Some(t.to_f32_vec().into_iter().map(f64::from).collect()))
+                }
+                None => Ok(None),
             }
-            None => None,
+        };
+        let factors = gguf::config::RopeFactorTensors {
+            freqs: factors("rope_freqs.weight")?,
+            long: factors("rope_factors_long.weight")?,
+            short: factors("rope_factors_short.weight")?,
         };
         let tied = !file.contains(Names::Gguf.lm_head());
         let mut config = gguf::config::model_config(meta, vocab, tied, factors)?;
@@ -394,7 +472,7 @@ impl Model {
         };
         // Gemma's RMSNorm scales by (1 + w): Hugging Face stores w, llama.cpp's converter
         // stores 1 + w. Adding the 1 at load (in f32, as transformers does) leaves one norm.
-        let norm_offset = if c.family == Family::Gemma3 && names == Names::Hf {
+        let norm_offset = if c.family == Family::Gemma3 && names.is_hf() {
             1.0
         } else {
             0.0
@@ -420,11 +498,49 @@ impl Model {
             let p = |hf: &str| names.layer(c.family, i, hf);
             // Old Llama checkpoints carry the rotary inv_freq buffer; it is recomputed, not read.
             files.ignore(&p("self_attn.rotary_emb.inv_freq"));
+            // Phi-3 fuses q, k and v into one matrix, and gate and up into another (a GGUF file
+            // may also hold them apart): each part is a view of its rows.
+            let fused_qkv =
+                c.family == Family::Phi3 && files.contains(&p("self_attn.qkv_proj.weight"));
+            let [q_proj, k_proj, v_proj] = if fused_qkv {
+                let parts = files
+                    .get(&p("self_attn.qkv_proj.weight"), &[q + 2 * kv, h])?
+                    .split_rows(&[q, kv, kv]);
+                parts.try_into().map_err(|_| {
+                    StrataError::model_load(path, "qkv_proj: split into three parts failed")
+                })?
+            } else {
+                [
+                    files.get(&p("self_attn.q_proj.weight"), &[q, h])?,
+                    files.get(&p("self_attn.k_proj.weight"), &[kv, h])?,
+                    files.get(&p("self_attn.v_proj.weight"), &[kv, h])?,
+                ]
+            };
+            let dense_mlp = || -> Result<MlpWeights> {
+                let [gate_proj, up_proj] = if c.family == Family::Phi3 {
+                    let parts = files
+                        .get(&p("mlp.gate_up_proj.weight"), &[2 * inter, h])?
+                        .split_rows(&[inter, inter]);
+                    parts.try_into().map_err(|_| {
+                        StrataError::model_load(path, "gate_up_proj: split into two parts failed")
+                    })?
+                } else {
+                    [
+                        files.get(&p("mlp.gate_proj.weight"), &[inter, h])?,
+                        files.get(&p("mlp.up_proj.weight"), &[inter, h])?,
+                    ]
+                };
+                Ok(MlpWeights {
+                    gate_proj,
+                    up_proj,
+                    down_proj: files.get(&p("mlp.down_proj.weight"), &[h, inter])?,
+                })
+            };
             layers.push(LayerWeights {
                 attn_norm: norm(&p("input_layernorm.weight"), h)?,
-                q_proj: files.get(&p("self_attn.q_proj.weight"), &[q, h])?,
-                k_proj: files.get(&p("self_attn.k_proj.weight"), &[kv, h])?,
-                v_proj: files.get(&p("self_attn.v_proj.weight"), &[kv, h])?,
+                q_proj,
+                k_proj,
+                v_proj,
                 o_proj: files.get(&p("self_attn.o_proj.weight"), &[h, q])?,
                 q_bias: optional(c.qkv_bias, &p("self_attn.q_proj.bias"), q)?,
                 k_bias: optional(c.qkv_bias, &p("self_attn.k_proj.bias"), kv)?,
@@ -447,11 +563,7 @@ impl Model {
                     Some(moe) if moe.is_sparse(i) => {
                         Mlp::Experts(load_experts(files, names, c.family, i, moe, h)?)
                     }
-                    _ => Mlp::Dense(MlpWeights {
-                        gate_proj: files.get(&p("mlp.gate_proj.weight"), &[inter, h])?,
-                        up_proj: files.get(&p("mlp.up_proj.weight"), &[inter, h])?,
-                        down_proj: files.get(&p("mlp.down_proj.weight"), &[h, inter])?,
-                    }),
+                    _ => Mlp::Dense(dense_mlp()?),
                 },
             });
         }
@@ -463,10 +575,16 @@ impl Model {
         } else {
             files.get(names.lm_head(), &[c.vocab_size, h])?
         };
-        files.ignore("rope_freqs.weight");
+        for read_with_the_config in [
+            "rope_freqs.weight",
+            "rope_factors_long.weight",
+            "rope_factors_short.weight",
+        ] {
+            files.ignore(read_with_the_config);
+        }
         files.check_all_used()?;
 
-        if names == Names::Hf {
+        if names.is_hf() {
             for t in layers.iter().flat_map(|l| l.matrices()) {
                 if t.dtype != embed.dtype {
                     return Err(StrataError::model_load(
@@ -701,7 +819,7 @@ fn load_experts(
         Family::Mixtral => ("block_sparse_moe", "w1", "w3", "w2"),
         _ => ("mlp", "gate_proj", "up_proj", "down_proj"),
     };
-    let p = |rest: String| format!("model.layers.{i}.{block}.{rest}");
+    let p = |rest: String| names.layer(family, i, &format!("{block}.{rest}"));
     let mut experts = Vec::with_capacity(e);
     for x in 0..e {
         experts.push(MlpWeights {
@@ -754,8 +872,8 @@ fn weight_summary(
 /// The RoPE table of the model, and the sliding layers' own where they have one.
 fn rope_tables(c: &ModelConfig, max_positions: usize) -> Result<(RopeTable, Option<RopeTable>)> {
     let table = |theta: f64, scaling| {
-        RopeTable::try_new(c.head_dim, theta, scaling, max_positions)
-            .map(|t| t.with_pairing(c.rope_pairing))
+        RopeTable::try_new(c.rotary_dim, theta, scaling, max_positions)
+            .map(|t| t.with_head_dim(c.head_dim).with_pairing(c.rope_pairing))
             .ok_or_else(|| {
                 StrataError::invalid(
                     "max_context",

@@ -165,35 +165,58 @@ impl Tensor {
         let n = self.shape[0];
         let part_len = self.len / n.max(1);
         (0..n)
-            .map(|i| {
-                let (start, owned) = match &self.owned {
-                    None => (self.start + i * part_len, None),
-                    // An owned (realigned) tensor: each part gets its own copy of its bytes.
-                    Some(_) => {
-                        let bytes = &self.bytes()[i * part_len..(i + 1) * part_len];
-                        let mut words = vec![0u32; part_len.div_ceil(4)];
-                        // SAFETY: `words` holds at least `part_len` bytes; u8 has no alignment.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                bytes.as_ptr(),
-                                words.as_mut_ptr() as *mut u8,
-                                part_len,
-                            )
-                        };
-                        (0, Some(Arc::new(words)))
-                    }
-                };
-                Tensor {
-                    map: self.map.clone(),
-                    dtype: self.dtype,
-                    shape: self.shape[1..].to_vec(),
-                    start,
-                    len: part_len,
-                    owned,
-                    interleaved: false,
-                }
+            .map(|i| self.part(i * part_len, part_len, self.shape[1..].to_vec()))
+            .collect()
+    }
+
+    /// A `[rows, cols]` matrix as consecutive runs of `rows[i]` rows (Phi-3's fused q/k/v and
+    /// gate/up projections): views of the same bytes. The runs must add up to the rows.
+    pub fn split_rows(&self, rows: &[usize]) -> Vec<Tensor> {
+        assert_eq!(
+            rows.iter().sum::<usize>(),
+            self.shape[0],
+            "split_rows: rows"
+        );
+        let row_bytes = self.len / self.shape[0].max(1);
+        let mut start = 0;
+        rows.iter()
+            .map(|&r| {
+                let part = self.part(start, r * row_bytes, vec![r, self.shape[1]]);
+                start += r * row_bytes;
+                part
             })
             .collect()
+    }
+
+    /// The `len` bytes from byte `offset` of this tensor as a tensor of `shape`.
+    fn part(&self, offset: usize, len: usize, shape: Vec<usize>) -> Tensor {
+        debug_assert!(!self.interleaved, "parts of an interleaved tensor");
+        let (start, owned) = match &self.owned {
+            None => (self.start + offset, None),
+            // An owned (realigned) tensor: each part gets its own copy of its bytes.
+            Some(_) => {
+                let bytes = &self.bytes()[offset..offset + len];
+                let mut words = vec![0u32; len.div_ceil(4)];
+                // SAFETY: `words` holds at least `len` bytes; u8 has no alignment.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        bytes.as_ptr(),
+                        words.as_mut_ptr() as *mut u8,
+                        len,
+                    )
+                };
+                (0, Some(Arc::new(words)))
+            }
+        };
+        Tensor {
+            map: self.map.clone(),
+            dtype: self.dtype,
+            shape,
+            start,
+            len,
+            owned,
+            interleaved: false,
+        }
     }
 
     /// Whether the blocks are in the interleaved layout (only the CPU's kernels read it).

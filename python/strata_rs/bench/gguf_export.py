@@ -12,10 +12,14 @@ checkpoints:
   sliding layers' RoPE base 10000 unscaled, the scale of the head size),
   qwen3_moe -> "qwen3moe" and mixtral -> "llama" with experts (each matrix's
   experts stacked into one `ffn_*_exps` tensor; the router kept f32, as
-  llama.cpp's quantizer keeps it).
-* RoPE scaling: none, "linear", and "llama3" (as a `rope_freqs` tensor).
-  Anything else raises ValueError rather than silently computing another
-  function.
+  llama.cpp's quantizer keeps it), phi3 -> "phi3" as llama.cpp's converter
+  writes it (fused attn_qkv and ffn_up = gate_up_proj, unpermuted: llama.cpp
+  rotates phi3 in halves as HF does; rope.dimension_count the rotated part;
+  LongRoPE as rope_factors_long / rope_factors_short tensors with the original
+  context and rope.scaling.attn_factor; sliding_window 0 for none).
+* RoPE scaling: none, "linear", "llama3" (as a `rope_freqs` tensor), "yarn",
+  and Phi-3's "longrope". Anything else raises ValueError rather than silently
+  computing another function.
 * Byte-level BPE tokenizers (tokenizer.json) with a pre-tokenizer whose
   regex llama.cpp knows under a name (see `_PRE_TOKENIZERS`).
 
@@ -46,6 +50,7 @@ _ARCH = {
     "gemma3_text": "gemma3",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
+    "phi3": "phi3",
 }
 
 # Output dtypes of 2-D weight matrices; 1-D tensors (norms, biases) stay f32.
@@ -186,6 +191,42 @@ def _llama3_freq_factors(theta: float, head_dim: int, scaling: Mapping[str, Any]
     return (base / scaled).astype(np.float32)
 
 
+# Phi3Config's default original_max_position_embeddings.
+_PHI3_ORIGINAL_CONTEXT = 4096
+
+
+def _phi3_rope(config: Mapping[str, Any], head_dim: int) -> tuple[int, int, dict[str, Any] | None]:
+    """(rotary_dim, original context, LongRoPE dict with its attn_factor or None) of a Phi-3
+    config, read as transformers 5 reads it: partial_rotary_factor from rope_parameters (or a
+    v4 rope_scaling) before the top-level key, the original context from the top-level key
+    (Phi3Config's default 4096; transformers copies it over any inside rope_parameters)."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, Mapping):
+        params = config.get("rope_scaling") or {}
+    fraction = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    rotary_dim = int(head_dim * float(1.0 if fraction is None else fraction))
+    original = int(config.get("original_max_position_embeddings") or _PHI3_ORIGINAL_CONTEXT)
+    _, scaling = _rope_scaling(config)
+    if scaling is None:
+        return rotary_dim, original, None
+    if scaling["rope_type"] not in ("longrope", "su"):
+        # transformers reads "yarn" as longrope here, llama.cpp's converter as YaRN's scale.
+        raise ValueError(f"phi3 rope scaling {scaling['rope_type']!r} is not supported")
+    long, short = scaling.get("long_factor"), scaling.get("short_factor")
+    if not long or not short or len(long) != rotary_dim // 2 or len(short) != rotary_dim // 2:
+        raise ValueError(f"phi3 LongRoPE needs {rotary_dim // 2} long and short factors")
+    # The converter's sqrt(1 + ln f / ln original), f = max_position_embeddings / original;
+    # transformers' explicit attention_factor or factor (for f) first where a config has them.
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(config["max_position_embeddings"]) / original
+    attn_factor = scaling.get("attention_factor")
+    if attn_factor is None:
+        factor = float(factor)
+        attn_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return rotary_dim, original, {"long": long, "short": short, "attn_factor": float(attn_factor)}
+
+
 def _check_supported(config: Mapping[str, Any]) -> str:
     model_type = config.get("model_type")
     if model_type not in _ARCH:
@@ -309,6 +350,9 @@ def _gguf_name(hf_name: str, arch: str = "llama") -> str | None:
         "self_attn.k_proj.bias": "attn_k.bias",
         "self_attn.v_proj.bias": "attn_v.bias",
         "self_attn.o_proj.bias": "attn_output.bias",
+        # Phi-3's fused projections (q, k, v rows; gate, up rows), kept fused.
+        "self_attn.qkv_proj.weight": "attn_qkv.weight",
+        "mlp.gate_up_proj.weight": "ffn_up.weight",
         "self_attn.q_norm.weight": "attn_q_norm.weight",
         "self_attn.k_norm.weight": "attn_k_norm.weight",
         "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -609,6 +653,7 @@ def export_gguf(
     *,
     pre_tokenizer: str | None = None,
     quantizer: str | None = None,
+    name: str | None = None,
 ) -> Path:
     """Convert an HF Llama-family folder to a GGUF file; returns out_path.
 
@@ -617,7 +662,8 @@ def export_gguf(
     are always f32.  quantizer: "gguf" (the gguf package's quantizer; the
     default for the legacy formats it has) or "strata" (strata-rs's own,
     the only one here for K-quants and IQ4).  pre_tokenizer overrides the
-    llama.cpp pre-tokenizer name otherwise derived from tokenizer.json.
+    llama.cpp pre-tokenizer name otherwise derived from tokenizer.json; name
+    (general.name) defaults to the folder's name.
     """
     try:
         import gguf
@@ -644,6 +690,9 @@ def export_gguf(
     vocab_size = int(config["vocab_size"])
     theta, scaling = _rope_scaling(config)
     freq_factors: np.ndarray | None = None
+    phi3_rope = _phi3_rope(config, head_dim) if arch == "phi3" else None
+    if phi3_rope is not None:
+        scaling = None  # LongRoPE: the factor tensors and keys below
     if scaling is not None:
         rope_type = scaling["rope_type"]
         if rope_type == "llama3" and arch == "llama":
@@ -660,18 +709,25 @@ def export_gguf(
             raise ValueError(f"rope scaling {rope_type!r} is not supported by the GGUF export")
 
     writer = gguf.GGUFWriter(out_path, arch)
-    writer.add_name(model_dir.name)
+    writer.add_name(model_dir.name if name is None else name)
     writer.add_context_length(int(config["max_position_embeddings"]))
+    if phi3_rope is not None:
+        writer.add_rope_scaling_orig_ctx_len(phi3_rope[1])
     writer.add_embedding_length(hidden)
     writer.add_block_count(int(config["num_hidden_layers"]))
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    # Explicit because Qwen3 (and head_dim overrides) decouple it from
-    # hidden_size / n_head, which llama.cpp would otherwise assume.
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if phi3_rope is not None:
+        # As llama.cpp's converter: no key/value length (hidden_size / n_head, as Phi3Config
+        # has it), the rotated part of each head.
+        writer.add_rope_dimension_count(phi3_rope[0])
+    else:
+        # Explicit because Qwen3 (and head_dim overrides) decouple it from
+        # hidden_size / n_head, which llama.cpp would otherwise assume.
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(vocab_size)
@@ -720,6 +776,11 @@ def export_gguf(
             # Qwen3-MoE ships); a model without it cannot be expressed there.
             if not config.get("norm_topk_prob", False):
                 raise ValueError("qwen3_moe with norm_topk_prob=false is not supported in GGUF")
+    if phi3_rope is not None:
+        # 0 for none, as the converter writes it; every layer slides otherwise.
+        writer.add_sliding_window(int(config.get("sliding_window") or 0))
+        if phi3_rope[2] is not None:
+            writer.add_rope_scaling_attn_factors(phi3_rope[2]["attn_factor"])
     if arch == "gemma3":
         if config.get("sliding_window") is not None:
             writer.add_sliding_window(int(config["sliding_window"]))
@@ -729,6 +790,11 @@ def export_gguf(
     _add_tokenizer(writer, model_dir, config, vocab_size, pre_tokenizer)
     if freq_factors is not None:
         writer.add_tensor("rope_freqs.weight", freq_factors)
+    if phi3_rope is not None and phi3_rope[2] is not None:
+        writer.add_tensor("rope_factors_long.weight", np.asarray(phi3_rope[2]["long"], np.float32))
+        writer.add_tensor(
+            "rope_factors_short.weight", np.asarray(phi3_rope[2]["short"], np.float32)
+        )
     _add_tensors(writer, model_dir, config, arch, dtype, quantizer)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,13 +2,18 @@
 
 `make_model` writes a folder that looks exactly like one downloaded from the
 Hub for the Llama family (llama, mistral, qwen2, qwen3), for Gemma 3's text
-model (gemma3) and for the mixture-of-experts families Qwen3-MoE (qwen3_moe)
-and Mixtral (mixtral): config.json, safetensors weights (optionally sharded),
-a trained byte-level BPE tokenizer, tokenizer_config.json and
-generation_config.json.  Weights are random but seeded and deliberately
-non-trivial (norm weights and biases are not 1/0, Gemma's norm weights not 0,
-routers that choose decisively) so that a numerical mistake in an engine shows
+model (gemma3), for the mixture-of-experts families Qwen3-MoE (qwen3_moe) and
+Mixtral (mixtral) and for Phi-3 / Phi-4-mini (phi3: fused qkv_proj and
+gate_up_proj tensors, partial rotary embeddings, LongRoPE): config.json,
+safetensors weights (optionally sharded), a trained byte-level BPE tokenizer,
+tokenizer_config.json and generation_config.json.  Weights are random but
+seeded and deliberately non-trivial (norm weights and biases are not 1/0,
+Gemma's norm weights not 0, routers that choose decisively, LongRoPE factors
+that are neither 1 nor equal) so that a numerical mistake in an engine shows
 up in the logits.
+
+The phi3 family fits the tiny and smollm-135m presets only: llama-1b's llama3
+RoPE scaling is not one Phi3Config accepts.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3")
 PRESETS = ("tiny", "smollm-135m", "llama-1b", "qwen3-moe-1b", "qwen3-dense-0.3b", "gemma3-1b")
 DTYPES = ("f32", "bf16", "f16")
 # How config.json spells RoPE: "v4" as transformers 4 writes it and Hub configs carry it
@@ -57,6 +62,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # config.json["model_type"] where it is not the family name: "gemma3" is the multimodal
 # Gemma3ForConditionalGeneration, the text-only model is "gemma3_text".
@@ -174,12 +180,15 @@ _PRESET_FIELDS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
-# Presets made for one family (their names say which); the others fit every family.
+# Presets made for one family (their names say which); the others fit every family...
 _PRESET_FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen3-moe-1b": ("qwen3_moe",),
     "qwen3-dense-0.3b": ("qwen3",),
     "gemma3-1b": ("gemma3",),
 }
+# ...but for the families that fit only some presets: Phi3Config refuses llama-1b's llama3 RoPE
+# scaling (its rope type is longrope or default).
+_FAMILY_PRESETS: dict[str, tuple[str, ...]] = {"phi3": ("tiny", "smollm-135m")}
 
 
 # Each preset's family when the caller names none (`strata-rs make-model --preset`).
@@ -248,6 +257,24 @@ _TINY_FAMILY: dict[str, dict[str, Any]] = {
         "intermediate_size": 32,
         "rope_theta": 1000000.0,
         "rope_scaling": None,
+        "tie_word_embeddings": False,
+    },
+    # Every Phi-3 feature shows within ~100 tokens: half of each head rotates (head_dim 16,
+    # rotary_dim 8, so 4 LongRoPE factors), a 64-token original context stretched to 256 so that
+    # the long factors and the attention factor sqrt(1 + ln 4 / ln 64) apply (the engine picks
+    # long because the context it serves, 256, exceeds 64; transformers because the sequence
+    # does), short and long factors that differ from 1 and from each other, a window of 48 in
+    # every layer, and an untied head.
+    "phi3": {
+        "max_position_embeddings": 256,
+        "original_max_position_embeddings": 64,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": {
+            "long_factor": [1.5, 2.25, 3.0, 3.75],
+            "short_factor": [1.0, 1.25, 1.75, 2.5],
+            "type": "longrope",
+        },
+        "sliding_window": 48,
         "tie_word_embeddings": False,
     },
 }
@@ -380,6 +407,20 @@ def _family_config(family: str, shape: Mapping[str, Any], dtype: str) -> dict[st
             sliding_window_pattern=6,
             use_bidirectional_attention=False,
         )
+    elif family == "phi3":
+        # Phi-3-mini-4k's config.json keys (transformers 4.4x; Phi-4-mini adds
+        # partial_rotary_factor), no RoPE scaling and the original context the full one: the
+        # tiny preset's own fields (_TINY_FAMILY) add LongRoPE. No head_dim key (Phi3Config has
+        # none: hidden_size / num_attention_heads); no biases anywhere.
+        common.update(
+            embd_pdrop=0.0,
+            original_max_position_embeddings=shape["max_position_embeddings"],
+            pad_token_id=ENDOFTEXT_ID,
+            partial_rotary_factor=1.0,
+            resid_pdrop=0.0,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        )
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     return dict(sorted(common.items()))
@@ -403,6 +444,16 @@ def _rope_parameters(config: dict[str, Any]) -> None:
         # Scaling applies to the full-attention layers only; the sliding ones keep their own base.
         local = {"rope_type": "default", "rope_theta": config.pop("rope_local_base_freq")}
         config["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    elif config["model_type"] == "phi3":
+        # Phi3Config (transformers 5) spells the type rope_type, copies partial_rotary_factor
+        # into rope_parameters and, for longrope, original_max_position_embeddings too; both stay
+        # at top level as well (and the top-level original context is the one it reads).
+        if "type" in full:
+            full["rope_type"] = full.pop("type")
+        full["partial_rotary_factor"] = config.get("partial_rotary_factor", 1.0)
+        if full["rope_type"] == "longrope":
+            full["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+        config["rope_parameters"] = dict(sorted(full.items()))
     else:
         config["rope_parameters"] = full
 
@@ -431,6 +482,11 @@ def build_config(
         raise ValueError(
             f"preset {preset!r} is for family {' or '.join(_PRESET_FAMILIES[preset])}, "
             f"not {family!r}"
+        )
+    if preset not in _FAMILY_PRESETS.get(family, PRESETS):
+        raise ValueError(
+            f"family {family!r} fits preset {' or '.join(_FAMILY_PRESETS[family])} only, "
+            f"not {preset!r}"
         )
     config = _family_config(family, _PRESETS[preset], dtype)
     if preset == "tiny":
@@ -564,6 +620,21 @@ def make_weights(config: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarr
     for i in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(hidden)
+        if family == "phi3":
+            # One fused projection, as Phi-3's checkpoints store it: q rows, then k, then v.
+            w[p + "self_attn.qkv_proj.weight"] = np.concatenate(
+                [
+                    matrix(n_heads * head_dim, hidden, qk_std),
+                    matrix(n_kv * head_dim, hidden, qk_std),
+                    matrix(n_kv * head_dim, hidden),
+                ]
+            )
+            w[p + "self_attn.o_proj.weight"] = matrix(hidden, n_heads * head_dim)
+            w[p + "post_attention_layernorm.weight"] = norm(hidden)
+            # gate rows first, then up (transformers' chunk(2) of gate_up_proj's output).
+            w[p + "mlp.gate_up_proj.weight"] = matrix(2 * inter, hidden)
+            w[p + "mlp.down_proj.weight"] = matrix(hidden, inter)
+            continue
         w[p + "self_attn.q_proj.weight"] = matrix(n_heads * head_dim, hidden, qk_std)
         w[p + "self_attn.k_proj.weight"] = matrix(n_kv * head_dim, hidden, qk_std)
         w[p + "self_attn.v_proj.weight"] = matrix(n_kv * head_dim, hidden)
@@ -892,4 +963,86 @@ def make_model(
 
     weights = make_weights(config, seed)
     write_weights(out_path, weights, dtype, shards)
+    return out_path
+
+
+# Tensor-name prefixes of a Gemma3ForConditionalGeneration checkpoint's text model (for
+# `model.`), and of its head, as transformers 4 and 5 save them.
+VISION_LANGUAGE_NAMING = {
+    "v4": ("language_model.model.", "language_model.lm_head.weight"),
+    "v5": ("model.language_model.", "lm_head.weight"),
+}
+
+
+def vision_language_folder(
+    text_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    naming: str = "v4",
+    seed: int = 0,
+) -> pathlib.Path:
+    """A Gemma 3 vision-language folder (`model_type` "gemma3") around the text model of the
+    gemma3 folder `text_dir`: its config under text_config beside a vision_config, its tensors
+    renamed as Gemma3ForConditionalGeneration saves them (`naming` "v4" or "v5"), and a small
+    vision tower and projector that a text-only engine must leave unread. f32 folders only."""
+    if naming not in VISION_LANGUAGE_NAMING:
+        raise ValueError(
+            f"unknown naming {naming!r}; expected one of {list(VISION_LANGUAGE_NAMING)}"
+        )
+    from safetensors.numpy import load_file
+
+    src, out_path = pathlib.Path(text_dir), pathlib.Path(out)
+    text_config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    if text_config.get("model_type") != "gemma3_text":
+        raise ValueError(f"{src}: not a gemma3_text folder")
+    out_path.mkdir(parents=True, exist_ok=True)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (out_path / name).write_bytes((src / name).read_bytes())
+    vision_hidden = 32
+    _write_json(
+        out_path / "config.json",
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "boi_token_index": 255999,
+            "eoi_token_index": 256000,
+            "image_token_index": 262144,
+            "mm_tokens_per_image": 4,
+            "model_type": "gemma3",
+            "text_config": {k: v for k, v in text_config.items() if k != "architectures"},
+            "torch_dtype": text_config["torch_dtype"],
+            "transformers_version": text_config["transformers_version"],
+            "vision_config": {
+                "hidden_size": vision_hidden,
+                "image_size": 32,
+                "intermediate_size": 64,
+                "model_type": "siglip_vision_model",
+                "num_attention_heads": 2,
+                "num_hidden_layers": 1,
+                "patch_size": 16,
+            },
+        },
+    )
+    model_prefix, head = VISION_LANGUAGE_NAMING[naming]
+    tower = "model.vision_tower." if naming == "v5" else "vision_tower."
+    projector = "model.multi_modal_projector." if naming == "v5" else "multi_modal_projector."
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        for name, x in load_file(str(file)).items():
+            if name.startswith("model."):
+                tensors[model_prefix + name.removeprefix("model.")] = x
+            elif name == "lm_head.weight":
+                tensors[head] = x
+            else:
+                raise ValueError(f"{file}: unexpected tensor {name}")
+    rng = np.random.default_rng(seed)
+    hidden = int(text_config["hidden_size"])
+    tensors[tower + "vision_model.embeddings.patch_embedding.weight"] = rng.standard_normal(
+        (vision_hidden, 3, 16, 16), dtype=np.float32
+    )
+    tensors[projector + "mm_input_projection_weight"] = rng.standard_normal(
+        (vision_hidden, hidden), dtype=np.float32
+    )
+    tensors[projector + "mm_soft_emb_norm.weight"] = rng.standard_normal(
+        (vision_hidden,), dtype=np.float32
+    )
+    write_safetensors(out_path / "model.safetensors", tensors, "f32")
     return out_path

@@ -282,6 +282,15 @@ pub struct DeviceRopeTable {
 
 impl DeviceRopeTable {
     pub fn upload(stream: &Arc<CudaStream>, table: &RopeTable) -> Result<Self, CudaKernelError> {
+        // The kernel rotates whole heads; Phi's partial rotation has no kernel here yet.
+        if table.rotary_dim() != table.head_dim() {
+            return Err(CudaKernelError::Shape(format!(
+                "partial rotary embeddings ({} of {} dimensions a head) are not supported on \
+                 CUDA yet",
+                table.rotary_dim(),
+                table.head_dim()
+            )));
+        }
         Ok(DeviceRopeTable {
             cos: stream
                 .clone_htod(table.cos())

@@ -10,16 +10,26 @@ use crate::model::kernels::cpu::rope::{yarn_mscale, RopePairing, RopeScaling};
 use super::Metadata;
 
 /// Architectures read, by their `general.architecture` name. Mistral files use "llama".
-const ARCHITECTURES: &str = "llama, qwen2, qwen3, qwen3moe, gemma3";
+const ARCHITECTURES: &str = "llama, qwen2, qwen3, qwen3moe, gemma3, phi3";
+
+/// The RoPE frequency divisors a file may store as tensors.
+#[derive(Default)]
+pub struct RopeFactorTensors {
+    /// `rope_freqs.weight`: what llama.cpp's converter computed from a Llama 3 scaling.
+    pub freqs: Option<Vec<f64>>,
+    /// `rope_factors_long.weight` and `rope_factors_short.weight`: Phi-3's LongRoPE.
+    pub long: Option<Vec<f64>>,
+    pub short: Option<Vec<f64>>,
+}
 
 /// The config of the model `meta` describes. `vocab_size` is the token count of the tokenizer
 /// when the file has no `<arch>.vocab_size`; `tied` says whether the file lacks `output.weight`;
-/// `rope_factors` is the `rope_freqs` tensor when the file has one.
+/// `factors` are the RoPE factor tensors the file has.
 pub fn model_config(
     meta: &Metadata,
     vocab_size: usize,
     tied: bool,
-    rope_factors: Option<Vec<f64>>,
+    factors: RopeFactorTensors,
 ) -> Result<ModelConfig> {
     let arch = meta.str("general.architecture")?;
     let (family, pairing) = match arch {
@@ -29,6 +39,8 @@ pub fn model_config(
         "qwen3" => (Family::Qwen3, RopePairing::Half),
         "qwen3moe" => (Family::Qwen3Moe, RopePairing::Half),
         "gemma3" => (Family::Gemma3, RopePairing::Half),
+        // llama.cpp rotates phi3 as NEOX does: its converter keeps HF's row order.
+        "phi3" => (Family::Phi3, RopePairing::Half),
         other => {
             return Err(meta.err(
                 "general.architecture",
@@ -91,21 +103,34 @@ pub fn model_config(
             ));
         }
     }
-    if let Some(d) = meta.usize_opt(&key("rope.dimension_count"))? {
-        if d != head_dim {
+    let rotary_dim = match meta.usize_opt(&key("rope.dimension_count"))? {
+        None => head_dim,
+        Some(d) if d == head_dim => d,
+        // Partial rotation is Phi's (Phi-4-mini's 0.75); elsewhere it would be silently wrong.
+        Some(d) if family == Family::Phi3 && d >= 2 && d < head_dim && d.is_multiple_of(2) => d,
+        Some(d) => {
             return Err(meta.err(
                 &key("rope.dimension_count"),
                 format!("{d}: partial rotary embeddings (head size {head_dim}) are not supported"),
-            ));
+            ))
         }
-    }
+    };
 
     let rope_theta = meta.f64_opt(&key("rope.freq_base"))?.unwrap_or(10000.0);
     if !(rope_theta.is_finite() && rope_theta > 0.0) {
         return Err(meta.err(&key("rope.freq_base"), "must be a positive number"));
     }
     let scaling_type = meta.str_opt(&key("rope.scaling.type"))?.unwrap_or("none");
-    let rope_scaling = match (scaling_type, rope_factors) {
+    let stated_context = meta.usize_opt(&key("context_length"))?.unwrap_or(2048);
+    let rope_scaling = match (scaling_type, factors.freqs) {
+        _ if factors.long.is_some() || factors.short.is_some() => long_rope(
+            meta,
+            arch,
+            stated_context,
+            rotary_dim,
+            factors.long,
+            factors.short,
+        )?,
         (_, Some(factors)) => {
             if factors.len() != head_dim / 2 || factors.iter().any(|f| f.is_nan() || *f <= 0.0) {
                 return Err(meta.err(
@@ -166,7 +191,7 @@ pub fn model_config(
             ))
         }
     };
-    let context = rope_scaling.context(meta.usize_opt(&key("context_length"))?.unwrap_or(2048));
+    let context = rope_scaling.context(stated_context);
     let eps = meta
         .f64_opt(&key("attention.layer_norm_rms_epsilon"))?
         .ok_or_else(|| meta.err(&key("attention.layer_norm_rms_epsilon"), "missing"))?;
@@ -231,6 +256,7 @@ pub fn model_config(
         num_heads,
         num_kv_heads,
         head_dim,
+        rotary_dim,
         vocab_size,
         rms_norm_eps: eps as f32,
         rope_theta,
@@ -254,6 +280,61 @@ pub fn model_config(
         final_logit_softcap,
         local_rope,
         moe,
+    })
+}
+
+/// Phi-3's LongRoPE from its two factor tensors, the original context
+/// (`rope.scaling.original_context_length`) and the attention factor
+/// (`rope.scaling.attn_factor`).
+fn long_rope(
+    meta: &Metadata,
+    arch: &str,
+    context: usize,
+    rotary_dim: usize,
+    long: Option<Vec<f64>>,
+    short: Option<Vec<f64>>,
+) -> Result<RopeScaling> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let check = |name: &str, factors: Option<Vec<f64>>| -> Result<Vec<f64>> {
+        match factors {
+            Some(f) if f.len() == rotary_dim / 2 && f.iter().all(|x| x.is_finite() && *x > 0.0) => {
+                Ok(f)
+            }
+            _ => Err(meta.err(
+                name,
+                format!(
+                    "expected {} positive factors (LongRoPE needs both rope_factors_long and \
+                     rope_factors_short)",
+                    rotary_dim / 2
+                ),
+            )),
+        }
+    };
+    let long = check("rope_factors_long.weight", long)?;
+    let short = check("rope_factors_short.weight", short)?;
+    let original = match meta.usize_opt(&key("rope.scaling.original_context_length"))? {
+        Some(0) => {
+            return Err(meta.err(&key("rope.scaling.original_context_length"), "must be > 0"))
+        }
+        Some(n) => n as f64,
+        None => context as f64,
+    };
+    // llama.cpp's default when the key is missing (its converter always writes it).
+    let attention_factor = match meta.f64_opt(&key("rope.scaling.attn_factor"))? {
+        Some(a) if !(a.is_finite() && a > 0.0) => {
+            return Err(meta.err(
+                &key("rope.scaling.attn_factor"),
+                "must be a positive number",
+            ))
+        }
+        Some(a) => a,
+        None => 1.0,
+    };
+    Ok(RopeScaling::LongRope {
+        short_factors: short,
+        long_factors: long,
+        original_max_position_embeddings: original,
+        attention_factor,
     })
 }
 

@@ -213,7 +213,7 @@ fn model_errors_name_the_key_or_tensor() {
     assert_eq!(
         load_err(&other),
         format!(
-            "{}: general.architecture: unsupported architecture \"mamba\" (supported: llama, qwen2, qwen3, qwen3moe, gemma3)",
+            "{}: general.architecture: unsupported architecture \"mamba\" (supported: llama, qwen2, qwen3, qwen3moe, gemma3, phi3)",
             other.display()
         )
     );

@@ -20,6 +20,18 @@ pub enum RopeScaling {
     /// One divisor per frequency (GGUF's `rope_freqs` tensor: what the converter computed from
     /// the model's Llama 3 parameters).
     Factors(Vec<f64>),
+    /// Phi-3's LongRoPE (transformers `_compute_longrope_parameters`): one divisor per frequency,
+    /// the long set when the served context runs past the original one, else the short set;
+    /// cos and sin are multiplied by `attention_factor`. transformers switches sets with the
+    /// length of the sequence in hand, which would change the K/V of positions already
+    /// cached; choosing once by the context served (as llama.cpp does) keeps every position's
+    /// rotation fixed.
+    LongRope {
+        short_factors: Vec<f64>,
+        long_factors: Vec<f64>,
+        original_max_position_embeddings: f64,
+        attention_factor: f64,
+    },
     /// YaRN (transformers `_compute_yarn_parameters`, as Qwen's long-context configs set it):
     /// frequencies that turn fewer than `beta_slow` times over the original context are divided
     /// by `factor`, those that turn more than `beta_fast` times are kept, a linear ramp over the
@@ -49,13 +61,28 @@ impl RopeScaling {
         }
     }
 
-    /// The factor cos and sin are multiplied by (YaRN's attention scaling; 1 otherwise).
+    /// The factor cos and sin are multiplied by (YaRN's and LongRoPE's attention scaling; 1
+    /// otherwise).
     pub fn attention_factor(&self) -> f64 {
         match *self {
             RopeScaling::Yarn {
                 attention_factor, ..
+            }
+            | RopeScaling::LongRope {
+                attention_factor, ..
             } => attention_factor,
             _ => 1.0,
+        }
+    }
+
+    /// Whether LongRoPE uses its long factors when serving `context` positions.
+    pub fn uses_long_factors(&self, context: usize) -> bool {
+        match *self {
+            RopeScaling::LongRope {
+                original_max_position_embeddings: orig,
+                ..
+            } => context as f64 > orig,
+            _ => false,
         }
     }
 }
@@ -111,7 +138,11 @@ pub enum RopePairing {
 
 /// cos/sin for every position and frequency, computed in f64 at load and stored in f32.
 pub struct RopeTable {
+    /// `rotary_dim / 2`: the frequencies per position.
     half: usize,
+    /// The head's size: its first `rotary_dim` dimensions rotate, the rest pass through (Phi's
+    /// partial rotary factor); `rotary_dim` unless `with_head_dim` says otherwise.
+    head_dim: usize,
     pairing: RopePairing,
     max_positions: usize,
     /// `[max_positions, half]`.
@@ -120,18 +151,31 @@ pub struct RopeTable {
     sin: Vec<f32>,
 }
 
-/// `inv_freq[i]` for `i in 0..head_dim/2`, with the scaling applied.
-pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64> {
-    let half = head_dim / 2;
+/// `inv_freq[i]` for `i in 0..rotary_dim/2`, with the scaling applied for a model serving
+/// `context` positions (which only LongRoPE reads).
+pub fn inv_freqs(rotary_dim: usize, theta: f64, scaling: &RopeScaling, context: usize) -> Vec<f64> {
+    let half = rotary_dim / 2;
+    let long = scaling.uses_long_factors(context);
     (0..half)
         .map(|i| {
-            let f = 1.0 / theta.powf((2 * i) as f64 / head_dim as f64);
+            let f = 1.0 / theta.powf((2 * i) as f64 / rotary_dim as f64);
             match *scaling {
                 RopeScaling::None => f,
                 RopeScaling::Linear { factor } => f / factor,
                 RopeScaling::Factors(ref factors) => f / factors[i],
+                RopeScaling::LongRope {
+                    ref short_factors,
+                    ref long_factors,
+                    ..
+                } => {
+                    f / if long {
+                        long_factors[i]
+                    } else {
+                        short_factors[i]
+                    }
+                }
                 RopeScaling::Yarn { factor, .. } => {
-                    let ramp = yarn_ramp(i, head_dim, theta, scaling);
+                    let ramp = yarn_ramp(i, rotary_dim, theta, scaling);
                     f / factor * ramp + f * (1.0 - ramp)
                 }
                 RopeScaling::Llama3 {
@@ -159,20 +203,21 @@ pub fn inv_freqs(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Vec<f64>
 }
 
 impl RopeTable {
-    /// `None` when the table for `max_positions` cannot be allocated (a context far beyond the
+    /// The table rotating `rotary_dim` dimensions of each head over `max_positions` positions
+    /// (the context served). `None` when it cannot be allocated (a context far beyond the
     /// machine's memory): the caller reports it, where an infallible allocation would abort.
     pub fn try_new(
-        head_dim: usize,
+        rotary_dim: usize,
         theta: f64,
         scaling: &RopeScaling,
         max_positions: usize,
     ) -> Option<Self> {
         assert!(
-            head_dim >= 2 && head_dim.is_multiple_of(2),
-            "rope: head_dim must be even"
+            rotary_dim >= 2 && rotary_dim.is_multiple_of(2),
+            "rope: rotary_dim must be even"
         );
-        let half = head_dim / 2;
-        let freqs = inv_freqs(head_dim, theta, scaling);
+        let half = rotary_dim / 2;
+        let freqs = inv_freqs(rotary_dim, theta, scaling, max_positions);
         let attention_factor = scaling.attention_factor();
         let len = max_positions.checked_mul(half)?;
         let mut cos: Vec<f32> = Vec::new();
@@ -188,6 +233,7 @@ impl RopeTable {
         }
         Some(Self {
             half,
+            head_dim: rotary_dim,
             pairing: RopePairing::Half,
             max_positions,
             cos,
@@ -201,6 +247,23 @@ impl RopeTable {
         self
     }
 
+    /// The same table for heads of `head_dim` (at least the rotary size), whose dimensions past
+    /// the rotary ones pass through.
+    pub fn with_head_dim(mut self, head_dim: usize) -> Self {
+        assert!(head_dim >= 2 * self.half, "rope: head_dim below rotary_dim");
+        self.head_dim = head_dim;
+        self
+    }
+
+    /// The dimensions of a head that rotate.
+    pub fn rotary_dim(&self) -> usize {
+        2 * self.half
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
     pub fn pairing(&self) -> RopePairing {
         self.pairing
     }
@@ -209,7 +272,7 @@ impl RopeTable {
         self.max_positions
     }
 
-    /// `head_dim / 2`: the frequencies per position.
+    /// `rotary_dim / 2`: the frequencies per position.
     pub fn half(&self) -> usize {
         self.half
     }
@@ -239,14 +302,14 @@ impl RopeTable {
         );
         assert_eq!(
             x.len(),
-            n_heads * 2 * half,
+            n_heads * self.head_dim,
             "rope: x is not [n_heads * head_dim]"
         );
         let cos = &self.cos[pos * half..(pos + 1) * half];
         let sin = &self.sin[pos * half..(pos + 1) * half];
         if self.pairing == RopePairing::Adjacent {
-            for head in x.chunks_exact_mut(2 * half) {
-                for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+            for head in x.chunks_exact_mut(self.head_dim) {
+                for ((pair, &c), &s) in head[..2 * half].chunks_exact_mut(2).zip(cos).zip(sin) {
                     let (u, v) = (pair[0], pair[1]);
                     pair[0] = u * c - v * s;
                     pair[1] = v * c + u * s;
@@ -254,8 +317,8 @@ impl RopeTable {
             }
             return;
         }
-        for head in x.chunks_exact_mut(2 * half) {
-            let (x1, x2) = head.split_at_mut(half);
+        for head in x.chunks_exact_mut(self.head_dim) {
+            let (x1, x2) = head[..2 * half].split_at_mut(half);
             // Plain zipped loop: vectorises.
             for (((a, b), &c), &s) in x1.iter_mut().zip(x2.iter_mut()).zip(cos).zip(sin) {
                 let (u, v) = (*a, *b);
@@ -266,17 +329,21 @@ impl RopeTable {
     }
 }
 
-/// Plain reference: angles and rotation in f64, straight from the definition.
+/// Plain reference: angles and rotation in f64, straight from the definition. The first
+/// `rotary_dim` dimensions of each head rotate, for a model serving `context` positions.
+#[allow(clippy::too_many_arguments)]
 pub fn reference(
     x: &mut [f32],
     n_heads: usize,
     head_dim: usize,
+    rotary_dim: usize,
     pos: usize,
     theta: f64,
     scaling: &RopeScaling,
+    context: usize,
 ) {
-    let half = head_dim / 2;
-    let freqs = inv_freqs(head_dim, theta, scaling);
+    let half = rotary_dim / 2;
+    let freqs = inv_freqs(rotary_dim, theta, scaling, context);
     let m = scaling.attention_factor();
     for h in 0..n_heads {
         for (i, &f) in freqs.iter().enumerate() {
@@ -307,7 +374,7 @@ mod tests {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 8192.0,
         };
-        let f = inv_freqs(128, 500000.0, &s);
+        let f = inv_freqs(128, 500000.0, &s, 131072);
         let base: Vec<f64> = (0..64)
             .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / 128.0))
             .collect();
@@ -339,7 +406,7 @@ mod tests {
             attention_factor: yarn_mscale(4.0, 1.0),
             truncate: true,
         };
-        let got = inv_freqs(64, 10000.0, &s);
+        let got = inv_freqs(64, 10000.0, &s, 16384);
         for (i, &g) in got.iter().enumerate() {
             let f = 1.0 / 10000f64.powf(i as f64 / 32.0);
             let ramp = ((i as f64 - 10.0) / 13.0).clamp(0.0, 1.0);
@@ -358,7 +425,7 @@ mod tests {
             attention_factor: 1.0,
             truncate: false,
         };
-        let got = inv_freqs(64, 10000.0, &s);
+        let got = inv_freqs(64, 10000.0, &s, 16384);
         let low =
             64.0 * (4096.0 / (32.0 * 2.0 * std::f64::consts::PI)).ln() / (2.0 * 10000f64.ln());
         let high = 64.0 * (4096.0 / (2.0 * std::f64::consts::PI)).ln() / (2.0 * 10000f64.ln());
@@ -366,6 +433,15 @@ mod tests {
         let ramp = (16.0 - low) / (high - low);
         assert!((got[16] - (f16 * (1.0 - ramp) + f16 / 4.0 * ramp)).abs() <= 1e-15);
         assert_eq!(yarn_mscale(1.0, 1.0), 1.0);
+    }
+
+    fn longrope(original: f64) -> RopeScaling {
+        RopeScaling::LongRope {
+            short_factors: (0..32).map(|i| 1.0 + 0.05 * i as f64).collect(),
+            long_factors: (0..32).map(|i| 1.0 + 0.5 * i as f64).collect(),
+            original_max_position_embeddings: original,
+            attention_factor: 1.19,
+        }
     }
 
     #[test]
@@ -387,20 +463,35 @@ mod tests {
                 attention_factor: yarn_mscale(4.0, 1.0),
                 truncate: true,
             },
+            // The long factors (300 positions served, past 64) and the short ones.
+            longrope(64.0),
+            longrope(300.0),
         ];
         let mut rng = Rng(11);
         for s in &scalings {
-            for &(head_dim, n_heads, theta) in &[(64usize, 9usize, 10000.0), (34, 3, 1e6)] {
+            // (head_dim, rotary_dim, heads, theta): whole heads, and Phi's partial rotation.
+            for &(head_dim, rotary_dim, n_heads, theta) in &[
+                (64usize, 64usize, 9usize, 10000.0),
+                (34, 34, 3, 1e6),
+                (64, 48, 3, 10000.0),
+                (34, 16, 2, 1e6),
+            ] {
                 let max = 300;
-                let table = RopeTable::try_new(head_dim, theta, s, max).expect("table");
+                let table = RopeTable::try_new(rotary_dim, theta, s, max)
+                    .expect("table")
+                    .with_head_dim(head_dim);
                 assert_eq!(table.max_positions(), max);
+                assert_eq!(
+                    (table.rotary_dim(), table.head_dim()),
+                    (rotary_dim, head_dim)
+                );
                 // Includes positions past original_max_position_embeddings (64).
                 for &pos in &[0usize, 1, 17, 63, 64, 65, 200, 299] {
                     let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.next()).collect();
                     let mut got = x.clone();
                     let mut want = x.clone();
                     table.apply(&mut got, n_heads, pos);
-                    reference(&mut want, n_heads, head_dim, pos, theta, s);
+                    reference(&mut want, n_heads, head_dim, rotary_dim, pos, theta, s, max);
                     for i in 0..x.len() {
                         // f32 cos/sin (rounded from f64) and f32 arithmetic: a few ulp of |x| <= 1.
                         assert!(
@@ -410,8 +501,32 @@ mod tests {
                             want[i]
                         );
                     }
+                    // The dimensions past the rotary ones pass through untouched.
+                    for h in 0..n_heads {
+                        let tail = h * head_dim + rotary_dim..(h + 1) * head_dim;
+                        assert_eq!(got[tail.clone()], x[tail]);
+                    }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn longrope_chooses_its_factors_by_the_context_served() {
+        let s = longrope(64.0);
+        let base = |i: usize| 1.0 / 10000f64.powf(2.0 * i as f64 / 16.0);
+        let short = inv_freqs(16, 10000.0, &s, 64);
+        let long = inv_freqs(16, 10000.0, &s, 65);
+        for i in 0..8 {
+            assert_eq!(short[i], base(i) / (1.0 + 0.05 * i as f64));
+            assert_eq!(long[i], base(i) / (1.0 + 0.5 * i as f64));
+        }
+        assert!(!s.uses_long_factors(64) && s.uses_long_factors(65));
+        // cos and sin carry the attention factor whichever set is in use.
+        for max in [64, 65] {
+            let t = RopeTable::try_new(16, 10000.0, &s, max).expect("table");
+            assert_eq!(t.cos()[0], 1.19f32);
+            assert_eq!(t.sin()[0], 0.0);
         }
     }
 
@@ -422,7 +537,7 @@ mod tests {
         let (head_dim, n_heads, half) = (16usize, 3usize, 8usize);
         let factors: Vec<f64> = (0..half).map(|i| 1.0 + i as f64).collect();
         let s = RopeScaling::Factors(factors.clone());
-        let freqs = inv_freqs(head_dim, 10000.0, &s);
+        let freqs = inv_freqs(head_dim, 10000.0, &s, 50);
         for (i, &f) in freqs.iter().enumerate() {
             let base = 1.0 / 10000f64.powf(2.0 * i as f64 / head_dim as f64);
             assert_eq!(f, base / factors[i]);
