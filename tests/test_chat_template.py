@@ -302,12 +302,19 @@ def special_token_strings(family: str) -> dict[str, str]:
     return out
 
 
-def render_reference(family: str, messages: list[Message], extra: dict[str, Any]) -> str:
+def render_reference(
+    family: str,
+    messages: list[Message],
+    extra: dict[str, Any],
+    add_generation_prompt: bool = True,
+) -> str:
     template = reference_environment().from_string((TEMPLATES / f"{family}.jinja").read_text())
     variables: dict[str, Any] = {**special_token_strings(family), **extra}
     variables.setdefault("tools", None)
     variables.setdefault("documents", None)
-    return template.render(messages=messages, add_generation_prompt=True, **variables)
+    return template.render(
+        messages=messages, add_generation_prompt=add_generation_prompt, **variables
+    )
 
 
 def write_tokenizer_json(path: Path) -> None:
@@ -347,6 +354,17 @@ def test_template_matches_jinja2(
     tokenizer = Tokenizer.from_dir(build_model_folder(tmp_path / family, family))
     got = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     assert got == expected, f"{family}/{name}"
+
+
+@pytest.mark.parametrize("family", list(SPECIAL_TOKENS))
+def test_template_without_generation_prompt_matches_jinja2(tmp_path: Path, family: str) -> None:
+    """The branch a template takes without the generation prompt (Phi's closing eos_token,
+    for one), on every conversation."""
+    tokenizer = Tokenizer.from_dir(build_model_folder(tmp_path / family, family))
+    for name, messages in SIMPLE.items():
+        expected = render_reference(family, messages, {}, add_generation_prompt=False)
+        got = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+        assert got == expected, f"{family}/{name}"
 
 
 @pytest.mark.parametrize(

@@ -745,7 +745,8 @@ impl CudaRunner {
                  GGUF and quantized models run on device=\"cpu\"",
             ));
         }
-        if c.family == crate::model::config::Family::Gemma3 || c.moe.is_some() {
+        use crate::model::config::Family;
+        if matches!(c.family, Family::Gemma3 | Family::Phi3) || c.moe.is_some() {
             return Err(StrataError::invalid(
                 "device",
                 format!(
