@@ -730,9 +730,14 @@ def test_phi3_features_show(tmp_path: Path, f32_logits: dict[str, np.ndarray], c
 
 
 def test_phi3_presets() -> None:
-    # Phi3Config takes longrope or no scaling: not llama-1b's llama3.
+    # Phi3Config takes longrope or no scaling, not llama-1b's llama3: at that shape the phi3
+    # takes Phi-4-mini's RoPE.
+    one_b = build_config("phi3", "llama-1b", "bf16")
+    assert one_b["rope_scaling"]["type"] == "longrope" and one_b["partial_rotary_factor"] == 0.75
+    assert len(one_b["rope_scaling"]["long_factor"]) == 64 * 3 // 4 // 2
+    assert one_b["original_max_position_embeddings"] == 4096 and one_b["tie_word_embeddings"]
     with pytest.raises(ValueError, match="phi3"):
-        build_config("phi3", "llama-1b")
+        build_config("phi3", "gemma3-1b")
     smol = build_config("phi3", "smollm-135m", "bf16")
     assert smol["rope_scaling"] is None and smol["original_max_position_embeddings"] == 8192
     one = build_config("phi3", "smollm-135m", num_hidden_layers=1)

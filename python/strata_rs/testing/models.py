@@ -12,8 +12,9 @@ Gemma's norm weights not 0, routers that choose decisively, LongRoPE factors
 that are neither 1 nor equal) so that a numerical mistake in an engine shows
 up in the logits.
 
-The phi3 family fits the tiny and smollm-135m presets only: llama-1b's llama3
-RoPE scaling is not one Phi3Config accepts.
+The phi3 family fits the tiny, smollm-135m and llama-1b presets; at llama-1b's
+shape it takes Phi-4-mini's RoPE (3/4 of each head rotated, LongRoPE) instead of
+Llama 3's scaling, which Phi3Config does not accept.
 """
 
 from __future__ import annotations
@@ -186,9 +187,25 @@ _PRESET_FAMILIES: dict[str, tuple[str, ...]] = {
     "qwen3-dense-0.3b": ("qwen3",),
     "gemma3-1b": ("gemma3",),
 }
-# ...but for the families that fit only some presets: Phi3Config refuses llama-1b's llama3 RoPE
-# scaling (its rope type is longrope or default).
-_FAMILY_PRESETS: dict[str, tuple[str, ...]] = {"phi3": ("tiny", "smollm-135m")}
+# A family's own fields for a preset, replacing the preset's: phi3 at llama-1b's shape takes
+# Phi-4-mini's RoPE (three quarters of each head rotated, LongRoPE from a 4K original context to
+# 128K, seeded factors of its range) and its tied head, not Llama 3's scaling, which Phi3Config
+# refuses.
+_FAMILY_PRESET_FIELDS: dict[tuple[str, str], dict[str, Any]] = {
+    ("phi3", "llama-1b"): {
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [round(1.0 + 0.08 * i, 4) for i in range(24)],
+            "long_factor": [round(1.0 + 2.0 * i, 4) for i in range(24)],
+        },
+        "original_max_position_embeddings": 4096,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+    },
+}
+# ...and the families that fit only some presets.
+_FAMILY_PRESETS: dict[str, tuple[str, ...]] = {"phi3": ("tiny", "smollm-135m", "llama-1b")}
 
 
 # Each preset's family when the caller names none (`strata-rs make-model --preset`).
@@ -491,7 +508,7 @@ def build_config(
     config = _family_config(family, _PRESETS[preset], dtype)
     if preset == "tiny":
         config.update(_TINY_FAMILY[family])
-    config.update(_PRESET_FIELDS.get(preset, {}))
+    config.update(_FAMILY_PRESET_FIELDS.get((family, preset), _PRESET_FIELDS.get(preset, {})))
     shape_changed = "hidden_size" in overrides or "num_attention_heads" in overrides
     config.update(overrides)
     # Only Qwen3 (dense and MoE) and Gemma 3 decouple head_dim from hidden/heads; elsewhere
