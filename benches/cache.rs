@@ -5,8 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use strata_rs::cache::disk::{BlockLayout, DiskOptions, DiskTier};
+use strata_rs::cache::ram_gate::RamGate;
 use strata_rs::cache::{CacheOptions, ConversationCache, DevicePart};
-use strata_rs::device::host::RamGate;
 use strata_rs::device::memory_pool::MemoryPool;
 use strata_rs::kv::blocks::{BlockPool, KvDtype};
 use strata_rs::kv::prefix::extend_hashes;

@@ -11,6 +11,7 @@ pub mod disk;
 pub mod faults;
 pub mod host;
 pub mod mover;
+pub mod ram_gate;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -9,7 +9,7 @@ use super::disk::{BlockLayout, DiskError, DiskOptions, DiskTier};
 use super::faults::{FaultKind, Faults};
 use super::host::HostTier;
 use super::{mib, CacheOptions, CacheStats, Gate, MoveResult, RestoreRecord, Tier};
-use crate::device::host::{RamGate, RamRefusal};
+use crate::cache::ram_gate::{RamGate, RamRefusal};
 use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::Result;
 use crate::kv::blocks::BlockPool;
@@ -772,7 +772,7 @@ impl ConversationCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device::host::CgroupMemory;
+    use crate::cache::ram_gate::CgroupMemory;
     use crate::kv::blocks::KvDtype;
     use crate::kv::prefix::extend_hashes;
 

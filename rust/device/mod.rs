@@ -10,7 +10,6 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod graphs;
-pub mod host;
 pub mod memory_pool;
 pub mod split;
 

@@ -15,8 +15,8 @@ use tokio::sync::{mpsc as tmpsc, oneshot};
 
 use crate::bench::{self, BenchReport, BenchSpec};
 use crate::cache::disk::BlockLayout;
+use crate::cache::ram_gate::RamGate;
 use crate::cache::{CacheOptions, ConversationCache, DevicePart};
-use crate::device::host::RamGate;
 use crate::device::memory_pool::{MemoryPool, PoolSnapshot};
 use crate::device::{self, split, Device};
 use crate::error::{Result, StrataError};

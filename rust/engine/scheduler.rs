@@ -154,6 +154,20 @@ impl Scheduler {
     /// Moves the front of the queue to `running` with blocks for its first chunk (at most
     /// `budget` tokens), reusing cached prefix blocks: those on the device, then those the tiers
     /// below can restore when the device can take them. `None` when the blocks are not there.
+    ///
+    /// The prompt's blocks, and what each count means (`usable` stops one token short of the
+    /// end: the last token is always computed, its logits pick the next one):
+    ///
+    /// ```text
+    /// prompt:   | hit (device, retained) | restored (host/disk -> fresh) | chunk ... | rest
+    ///           |<------- cached = (hit + restored) * bs tokens -------->|<- len ->|
+    /// blocks:   | hit.len()              | need(restored) fresh blocks: the restored ones,
+    ///           |                        | then those the chunk's len tokens reach into
+    /// ```
+    ///
+    /// `below` is what the tiers could restore (`probe`), 0 when the device cannot take it
+    /// (`admit_onload`); `restored <= below` is what the move did restore, and blocks allocated
+    /// for a shortfall are released at once.
     fn admit(
         &mut self,
         budget: usize,

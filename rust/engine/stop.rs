@@ -286,13 +286,11 @@ mod tests {
         assert_eq!(matcher.push("more"), (String::new(), true));
     }
 
-    /// Small splitmix64 stream, local so this module stands alone.
+    /// A splitmix64 stream over the sampler's one step of it.
     fn next(state: &mut u64) -> u64 {
+        let out = crate::engine::sampler::splitmix(*state);
         *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        out
     }
 
     #[test]

@@ -13,7 +13,7 @@ checks that each restart adopts exactly the complete, valid files (verified here
 with `verify_block_file`) and still answers exactly.
 
 `benches/soak.py` runs both for minutes and prints the figures; the default tests run them for
-seconds (tests/test_soak.py). Needs the `test` extra (httpx, xxhash).
+seconds (tests/test_soak.py). Needs httpx and xxhash (the `bench` or `test` extra).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 //! Matrix products through cuBLAS: `y = x · Wᵀ` for every projection of the model (CPU twin:
-//! `linear` in `rust/model/kernels/cpu/matmul.rs`).
+//! `linear` in `rust/model/kernels/cpu/matmul/mod.rs`).
 //!
 //! Rows are row-major on both sides, as the CPU keeps them: `x` is `[n, cols]` f32, `W` is
 //! `[rows, cols]` in the weights' dtype, `y` is `[n, rows]` f32. cuBLAS is column-major, and a
