@@ -1,0 +1,62 @@
+use super::*;
+use std::time::Instant;
+
+#[test]
+#[ignore]
+fn timing_decode_attention() {
+    let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+    let threads = rayon::current_num_threads();
+    for &ctx in &[512usize, 2048, 8192] {
+        let blocks = ctx / bs;
+        let len = blocks * bs * kvh * hd;
+        let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+        let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
+        let stored = tests::stored(k, v, bs, kvh, hd);
+        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let rows = [AttnRow {
+            pos: ctx as u32 - 1,
+            table_start: 0,
+            table_len: blocks as u32,
+        }];
+        let q = vec![0.1f32; n_heads * hd];
+        let mut out = vec![0.0f32; n_heads * hd];
+        let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
+        let names = ["f32", "f16", "bf16", "q8_0"];
+        let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+        for _ in 0..15 {
+            for (f, round) in rounds.iter_mut().enumerate() {
+                let kv = stored.layer_of(f);
+                let mut best = f64::INFINITY;
+                for _ in 0..40 {
+                    let t = Instant::now();
+                    paged_attention(
+                        &q,
+                        &rows,
+                        &tables,
+                        &kv,
+                        n_heads,
+                        0.125,
+                        None,
+                        &mut out,
+                        &mut scratch,
+                    );
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                round.push(best);
+            }
+        }
+        for (f, round) in rounds.iter_mut().enumerate() {
+            round.sort_by(f64::total_cmp);
+            let kv = stored.layer_of(f);
+            let bytes = kv.k.bytes() + kv.v.bytes();
+            println!(
+                "attention ctx {ctx} {}: {:.1} us (median of rounds {:.1} us), {:.1} GB/s of \
+                 K/V",
+                names[f],
+                round[0] * 1e6,
+                round[round.len() / 2] * 1e6,
+                bytes as f64 / round[0] / 1e9
+            );
+        }
+    }
+}
