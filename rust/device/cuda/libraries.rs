@@ -14,7 +14,7 @@
 //! soname (`libcublas.so.13`). A library's own dependencies (libcublasLt beside libcublas) are
 //! found through the wheel's `$ORIGIN` run path.
 
-use std::ffi::{CStr, CString, OsString};
+use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -138,23 +138,13 @@ impl CudaLibrary {
 
 /// Opens the library for the life of the process, so that cudarc's open by soname finds it.
 pub fn open_by_path(file: &Path) -> Result<(), String> {
-    let c_path = CString::new(file.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("{}: the path contains a NUL byte", file.display()))?;
-    // SAFETY: a valid C string; the handle is deliberately never closed.
-    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if handle.is_null() {
-        // SAFETY: dlerror returns a thread-local message or NULL.
-        let why = unsafe { libc::dlerror() };
-        let why = if why.is_null() {
-            "unknown error".to_string()
-        } else {
-            // SAFETY: non-NULL dlerror strings are NUL-terminated.
-            unsafe { CStr::from_ptr(why) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        return Err(format!("cannot open {}: {why}", file.display()));
-    }
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: opening runs the library's initialisers (NVIDIA's runtime libraries, found where
+    // they are installed); RTLD_GLOBAL so that later opens by name resolve to this one.
+    let library = unsafe { Library::open(Some(file), RTLD_NOW | RTLD_GLOBAL) }
+        .map_err(|e| format!("cannot open {}: {e}", file.display()))?;
+    // Never closed: cudarc holds symbols of it for the life of the process.
+    std::mem::forget(library);
     Ok(())
 }
 
