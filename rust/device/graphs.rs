@@ -8,7 +8,7 @@
 //!
 //! Everything here is independent of the device: the backend that captures graphs implements
 //! [`GraphBackend`] and is handed to [`GraphCache::get_or_capture`] at each step (the CUDA one,
-//! `rust/device/cuda/runner.rs`, borrows the device's step buffers and K/V for the capture, so
+//! `rust/device/cuda/runner/capture.rs`, borrows the device's step buffers and K/V for the capture, so
 //! the cache holds only the graphs). The tests below drive the cache with a fake backend that
 //! simulates a device with a fixed amount of memory.
 //!

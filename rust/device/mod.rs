@@ -3,7 +3,7 @@
 //! The CPU backend runs the forward pass on the host. The CUDA backend (feature "cuda", `cuda/`)
 //! has the probe (it finds the driver and the GPUs without ever panicking when there is none),
 //! the kernels as `.cu` sources compiled by NVRTC at load with an on-disk cache, cuBLAS products,
-//! the GPU's K/V part, and the forward pass with captured decode graphs (`cuda/runner.rs`).
+//! the GPU's K/V part, and the forward pass with captured decode graphs (`cuda/runner/`).
 //! `graphs` is the CUDA-graph cache's device-independent logic. `memory_pool` accounts what each
 //! device's memory holds, by purpose.
 
