@@ -385,3 +385,54 @@ def test_reference_renders_every_fixture() -> None:
     for family in SPECIAL_TOKENS:
         outputs = {render_reference(family, messages, {}) for messages in SIMPLE.values()}
         assert len(outputs) == len(SIMPLE), family
+
+
+STRFTIME_TEMPLATE = (
+    "{{ strftime_now('%d %b %Y %H:%M|%A %B %j %p %I %w %y|%-d %-m|%z%Z|%%|%e') }}"
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+)
+
+# Renders STRFTIME_TEMPLATE with the engine and with Python's datetime, in a process whose
+# TZ is the test's: prints the two strings.
+STRFTIME_CHILD = """
+import json, sys
+from datetime import datetime
+from strata_rs._core import Tokenizer
+folder, template = sys.argv[1], sys.argv[2]
+for _ in range(3):
+    got = Tokenizer.from_dir(folder).apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=False
+    )
+    fmt = template.split("'")[1]
+    want = datetime.now().strftime(fmt) + "x"
+    if got == want:
+        break
+print(json.dumps([got, want]))
+"""
+
+
+@pytest.mark.parametrize("tz", ["UTC", "Asia/Kolkata", "America/St_Johns"])
+def test_strftime_now_is_pythons_local_time(tmp_path: Path, tz: str) -> None:
+    """transformers' strftime_now is datetime.now().strftime: the local time of a naive
+    datetime (no %z, no %Z), in whatever zone the process runs; +05:30 and -03:30 (or -02:30)
+    show a zone's minutes."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_tokenizer_json(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": STRFTIME_TEMPLATE, "eos_token": "</s>"})
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", STRFTIME_CHILD, str(folder), STRFTIME_TEMPLATE],
+        env={**os.environ, "TZ": tz},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    got, want = json.loads(out.stdout)
+    assert got == want

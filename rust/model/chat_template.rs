@@ -688,121 +688,75 @@ fn write_json_string(out: &mut String, s: &str, ensure_ascii: bool) {
 // strftime_now
 // ---------------------------------------------------------------------------
 
-/// transformers' `strftime_now(fmt)` = datetime.now().strftime(fmt). Formatted in UTC
-/// (no timezone database here); supports the common directives.
+/// transformers' `strftime_now(fmt)`: `datetime.now().strftime(fmt)`, the local time.
 fn strftime_now(format: String) -> std::result::Result<String, JinjaError> {
-    let secs = SystemTime::now()
+    let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
         .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("clock error: {e}")))?;
-    Ok(strftime(&format, i64::try_from(secs).unwrap_or(0)))
+    strftime_local(&format, now.as_secs(), now.subsec_micros())
 }
 
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const WEEKDAYS: [&str; 7] = [
-    "Sunday",
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-];
-
-/// Format a Unix timestamp (UTC) with a strftime format.
-fn strftime(format: &str, unix_secs: i64) -> String {
-    let days = unix_secs.div_euclid(86_400);
-    let secs_of_day = unix_secs.rem_euclid(86_400);
-    let (hour, minute, second) = (secs_of_day / 3600, secs_of_day / 60 % 60, secs_of_day % 60);
-    let (year, month, day) = civil_from_days(days);
-    // 1970-01-01 was a Thursday.
-    let weekday = usize::try_from((days + 4).rem_euclid(7)).unwrap_or(0);
-    let month_name = MONTHS[usize::try_from(month - 1).unwrap_or(0) % 12];
-    let weekday_name = WEEKDAYS[weekday % 7];
-    let day_of_year = days - days_from_civil(year, 1, 1) + 1;
-    let hour12 = if hour % 12 == 0 { 12 } else { hour % 12 };
-
-    let mut out = String::new();
+/// `format` applied to the local time of `unix_secs` (and `micros`) as Python's naive
+/// `datetime.strftime` applies it: `%f` is the microseconds, `%z` and `%Z` are empty (a naive
+/// datetime has no zone), and every other directive goes to the C library's `strftime`, which
+/// is what Python calls for them (so the directives, the glibc flags such as `%-d` and the C
+/// locale's names are Python's). The time zone is the process's (`TZ`, else /etc/localtime),
+/// through `localtime_r`; no Rust crate reports the local offset in a process with threads.
+fn strftime_local(
+    format: &str,
+    unix_secs: u64,
+    micros: u32,
+) -> std::result::Result<String, JinjaError> {
+    let invalid =
+        |why: &str| JinjaError::new(ErrorKind::InvalidOperation, format!("strftime_now: {why}"));
+    // Python's own directives first; `%%` stays for strftime to print.
+    let mut c_format = String::with_capacity(format.len());
     let mut chars = format.chars();
     while let Some(c) = chars.next() {
         if c != '%' {
-            out.push(c);
+            c_format.push(c);
             continue;
         }
-        let _ = match chars.next() {
-            Some('Y') => write!(out, "{year}"),
-            Some('y') => write!(out, "{:02}", year.rem_euclid(100)),
-            Some('m') => write!(out, "{month:02}"),
-            Some('d') => write!(out, "{day:02}"),
-            Some('e') => write!(out, "{day:>2}"),
-            Some('-') => match chars.next() {
-                // glibc's no-padding flag, e.g. %-d.
-                Some('d') => write!(out, "{day}"),
-                Some('m') => write!(out, "{month}"),
-                Some('H') => write!(out, "{hour}"),
-                Some('I') => write!(out, "{hour12}"),
-                Some(other) => write!(out, "%-{other}"),
-                None => write!(out, "%-"),
-            },
-            Some('b') | Some('h') => write!(out, "{}", &month_name[..3]),
-            Some('B') => write!(out, "{month_name}"),
-            Some('a') => write!(out, "{}", &weekday_name[..3]),
-            Some('A') => write!(out, "{weekday_name}"),
-            Some('w') => write!(out, "{weekday}"),
-            Some('j') => write!(out, "{day_of_year:03}"),
-            Some('H') => write!(out, "{hour:02}"),
-            Some('I') => write!(out, "{hour12:02}"),
-            Some('M') => write!(out, "{minute:02}"),
-            Some('S') => write!(out, "{second:02}"),
-            Some('p') => write!(out, "{}", if hour < 12 { "AM" } else { "PM" }),
-            Some('F') => write!(out, "{year}-{month:02}-{day:02}"),
-            Some('T') => write!(out, "{hour:02}:{minute:02}:{second:02}"),
-            Some('Z') => write!(out, "UTC"),
-            Some('z') => write!(out, "+0000"),
-            Some('%') => write!(out, "%"),
-            Some(other) => write!(out, "%{other}"),
-            None => write!(out, "%"),
-        };
+        match chars.next() {
+            Some('f') => {
+                let _ = write!(c_format, "{micros:06}");
+            }
+            Some('z') | Some('Z') => {}
+            Some(other) => {
+                c_format.push('%');
+                c_format.push(other);
+            }
+            None => c_format.push('%'),
+        }
     }
-    out
-}
-
-/// Days since 1970-01-01 -> (year, month 1..=12, day 1..=31), proleptic Gregorian.
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-/// Inverse of civil_from_days.
-fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = if month > 2 { month - 3 } else { month + 9 };
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+    if c_format.is_empty() {
+        return Ok(String::new());
+    }
+    let c_format = std::ffi::CString::new(c_format)
+        .map_err(|_| invalid("the format contains a NUL character"))?;
+    let time =
+        libc::time_t::try_from(unix_secs).map_err(|_| invalid("the clock is out of range"))?;
+    // SAFETY: `tm` is plain data that localtime_r fills; both pointers are valid.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    if unsafe { libc::localtime_r(&time, &mut tm) }.is_null() {
+        return Err(invalid("the local time is not representable"));
+    }
+    // strftime returns 0 for a result that does not fit (or is empty, which no directive of
+    // the C locale gives): grow, up to a bound.
+    let mut buf = vec![0u8; 256];
+    loop {
+        // SAFETY: `buf` holds `buf.len()` bytes; the format is NUL-terminated; `tm` is filled.
+        let n =
+            unsafe { libc::strftime(buf.as_mut_ptr().cast(), buf.len(), c_format.as_ptr(), &tm) };
+        if n > 0 {
+            buf.truncate(n);
+            return Ok(String::from_utf8_lossy(&buf).into_owned());
+        }
+        if buf.len() >= 1 << 16 {
+            return Err(invalid("the formatted time is empty or longer than 64 KiB"));
+        }
+        buf.resize(buf.len() * 16, 0);
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -954,15 +908,27 @@ mod tests {
     }
 
     #[test]
-    fn strftime_formats_utc() {
-        // 2024-07-26 13:05:09 UTC, a Friday.
+    fn strftime_is_pythons_naive_local_time() {
+        // 2024-07-26 13:05:09.000042 UTC, a Friday. The C library's local time of it, as
+        // Python's datetime.fromtimestamp(t).strftime would give (checked against Python itself
+        // in tests/test_chat_template.py); here the fields that do not depend on the zone.
         let t = 1_722_000_000 - 1_722_000_000 % 86_400 + 13 * 3600 + 5 * 60 + 9;
-        assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
-        assert_eq!(
-            strftime("%A %B %-d %H:%M:%S %j %p %I %%", t),
-            "Friday July 26 13:05:09 208 PM 01 %"
+        let got = strftime_local("%M:%S.%f|%z|%Z|%%f|%", t, 42).expect("formats");
+        assert_eq!(got, "05:09.000042|||%f|%");
+        assert_eq!(strftime_local("", t, 0).expect("formats"), "");
+        let year = strftime_local("%Y %b %A", t, 0).expect("formats");
+        assert!(
+            ["2024 Jul Friday", "2024 Jul Thursday", "2024 Jul Saturday"].contains(&year.as_str()),
+            "{year}"
         );
-        assert_eq!(strftime("%F", 0), "1970-01-01");
-        assert_eq!(days_from_civil(2024, 7, 26), t / 86_400);
+        let long = strftime_local(&"%Y".repeat(5_000), t, 0).expect("formats");
+        assert_eq!(long.len(), 20_000);
+        let e = strftime_local(&"%Y".repeat(20_000), t, 0).expect_err("too long");
+        assert!(
+            e.to_string()
+                .contains("strftime_now: the formatted time is empty or longer than 64 KiB"),
+            "{e}"
+        );
+        assert!(strftime_local("a\0b", t, 0).is_err());
     }
 }
