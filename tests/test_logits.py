@@ -25,8 +25,18 @@ SEQ = np.random.default_rng(2024).integers(0, VOCAB, 100).tolist()
 
 F32_REL_TOL = 1e-4  # of the reference logits' range
 LOW_PRECISION_ARGMAX = 0.99
-# bf16/f16 engines may compute in low precision; this only catches gross errors.
-LOW_PRECISION_REL_TOL = 0.05
+# bf16/f16 weights with the default f16 K/V, against the reference of the same (rounded)
+# weights: the difference is the K/V's rounding to f16. Measured over every family in both
+# dtypes (AMD EPYC, AVX-512, 2026-12-04): 1.6e-4 .. 4.0e-4 of the logit range (gemma3 the
+# largest). The instruction-set paths differ from one another at f32 rounding (1e-7 of the
+# range, the f32 tolerance's scale), so the figure holds on any CPU; 2.5 times it is the bound.
+KV16_REL_TOL = 1e-3
+# bf16_dot (AVX-512 BF16 CPUs only): the matmul inputs rounded to bf16, against the reference
+# rounding them too: measured 5.0e-8 .. 1.7e-3 of the range (gemma3 the largest) on the same
+# machine; the bound this test has had since bf16_dot came.
+BF16_DOT_REL_TOL = 2e-3
+# A GPU's bf16 run has never been measured (no GPU has run this code): only gross errors.
+GPU_LOW_PRECISION_REL_TOL = 0.05
 
 MakeModel = Callable[..., Path]
 
@@ -82,7 +92,7 @@ def assert_close(actual: np.ndarray, expected: np.ndarray, rel_tol: float = F32_
     )
 
 
-def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray) -> None:
+def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray, rel_tol: float) -> None:
     assert actual.shape == expected.shape
     assert np.isfinite(actual).all()
     same = actual.argmax(axis=1) == expected.argmax(axis=1)
@@ -90,7 +100,8 @@ def assert_argmax_agrees(actual: np.ndarray, expected: np.ndarray) -> None:
         f"argmax differs at positions {np.flatnonzero(~same).tolist()}"
     )
     span = float(expected.max() - expected.min())
-    assert np.abs(actual - expected).max() <= LOW_PRECISION_REL_TOL * span
+    worst = float(np.abs(actual - expected).max())
+    assert worst <= rel_tol * span, f"max |engine - reference| = {worst / span:.3g} of the range"
 
 
 async def test_bf16_dot_has_its_own_disk_cache(model_dir: MakeModel, tmp_path: Path) -> None:
@@ -125,7 +136,8 @@ async def test_logits_match_reference(model_dir: MakeModel, family: str, dtype: 
     if dtype == "f32":
         assert_close(logits, expected)
     else:
-        assert_argmax_agrees(logits, expected)
+        assert info["kv_dtype"] == "f16"
+        assert_argmax_agrees(logits, expected, KV16_REL_TOL)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -141,13 +153,11 @@ async def test_bf16_dot_matches_the_reference_of_rounded_inputs(
     )
     assert info["matmul_inputs"] == ("bf16" if cpu_has_bf16_dot() else "f32")
     expected = reference(path, SEQ, info["matmul_inputs"])
-    assert_argmax_agrees(logits, expected)
+    assert_argmax_agrees(logits, expected, BF16_DOT_REL_TOL)
     # The rounding is what moves the logits: the unrounded reference is further away.
     if info["matmul_inputs"] == "bf16":
-        span = float(expected.max() - expected.min())
         plain = reference(path, SEQ)
         assert np.abs(logits - expected).max() < np.abs(logits - plain).max()
-        assert np.abs(logits - expected).max() <= 2e-3 * span
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -297,7 +307,7 @@ async def test_cuda_matches_reference(model_dir: MakeModel, family: str, dtype: 
             # GPU reductions reorder sums; still far below any real bug.
             assert_close(logits, expected, rel_tol=1e-3)
         else:
-            assert_argmax_agrees(logits, expected)
+            assert_argmax_agrees(logits, expected, GPU_LOW_PRECISION_REL_TOL)
 
 
 async def test_prompt_logprobs_are_the_logits_log_softmax(model_dir: MakeModel) -> None:
