@@ -131,7 +131,7 @@ async def check_logits(device: str, models: Path) -> dict[str, Any]:
                 (i for i, (a, b) in enumerate(zip(got_tokens, want_tokens, strict=True)) if a != b),
                 32,
             )
-            # Tolerances as tests/gpu_forward.rs states them.
+            # Tolerances as tests/rust/gpu_forward.rs states them.
             good = error <= (2e-4 if dtype == "f32" else 5e-2) and agree >= (
                 64 if dtype == "f32" else 57
             )
