@@ -1,0 +1,693 @@
+//! `Engine::load`: check the options and open the devices, load the model and its tokenizer,
+//! size the K/V pool and the context, then build the engine's parts and spawn its thread, in
+//! that order (so that of several bad options the same one is reported first, whichever phase
+//! grows). Also the disk cache's fingerprint of what was loaded.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{mpsc, Arc, Mutex};
+
+use super::core::EngineCore;
+#[cfg(feature = "cuda")]
+use super::gpu_sizing::{self, open_gpus};
+use super::ngram::NgramOptions;
+use super::runner::{ModelRunner, Stage};
+use super::scheduler::Scheduler;
+use super::stats::EngineStats;
+use super::structured::Grammars;
+use super::{
+    cuda_kv_refusal, serve, Engine, EngineInfo, EngineOptions, BLOCK_SIZE, MAX_SPECULATIVE_TOKENS,
+    MAX_THREADS,
+};
+use crate::cache::disk::BlockLayout;
+use crate::cache::ram_gate::RamGate;
+use crate::cache::{CacheOptions, ConversationCache, DevicePart};
+use crate::device::memory_pool::MemoryPool;
+use crate::device::{self, split, Device};
+use crate::error::{Result, StrataError};
+use crate::kv::blocks::{BlockPool, KvDtype};
+use crate::model::config::ModelConfig;
+use crate::model::kernels::cpu::matmul_bf16dot;
+use crate::model::kernels::cpu::quant::QuantType;
+use crate::model::kernels::cpu::rope::RopeScaling;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::weights::DType;
+use crate::model::{Model, ModelSource};
+
+impl Engine {
+    /// Loads the model folder and starts the engine thread. Blocking: run it off the event loop.
+    pub fn load(dir: &Path, opts: EngineOptions) -> Result<Engine> {
+        let setup = check_options(&opts)?;
+        let mut loaded = load_model(dir, &opts, &setup)?;
+        let sizing = size(&opts, &setup, &mut loaded)?;
+        build_and_spawn(opts, setup, loaded, sizing)
+    }
+}
+
+/// The options checked and the devices opened.
+struct Setup {
+    kv_choice: Option<KvDtype>,
+    quantize: Option<QuantType>,
+    devices: Vec<String>,
+    /// Each device's memory, where configured (a GPU's: what it has free).
+    capacities: Vec<Option<u64>>,
+    #[cfg(feature = "cuda")]
+    gpus: Option<Vec<crate::device::cuda::device::CudaDevice>>,
+    cache_opts: CacheOptions,
+    ngram: Option<NgramOptions>,
+    threads: usize,
+}
+
+/// The model, its tokenizer and how its layers are split over the devices.
+struct Loaded {
+    source: ModelSource,
+    model: Model,
+    tokenizer: Tokenizer,
+    layer_split: Vec<usize>,
+}
+
+/// The K/V pool and the limits it sets.
+struct Sizing {
+    max_context: usize,
+    kv_dtype: KvDtype,
+    block_bytes: usize,
+    /// Bytes of one block's K/V on each device.
+    part_bytes: Vec<usize>,
+    kv_blocks: usize,
+    max_batch_tokens: usize,
+    max_batch: usize,
+    salt: u64,
+    layout: BlockLayout,
+}
+
+/// Phase 1: every option that can be checked before the model is read, and the GPUs opened
+/// (their free memory is their pools' capacity, which the default layer split and the K/V
+/// sizing read).
+fn check_options(opts: &EngineOptions) -> Result<Setup> {
+    let kv_choice = opts.kv_dtype.as_deref().map(KvDtype::parse).transpose()?;
+    let quantize = opts
+        .quantize
+        .as_deref()
+        .map(crate::model::parse_quantize)
+        .transpose()?;
+    if let (Device::Cuda(_), Some(d @ (KvDtype::Bf16 | KvDtype::Q8_0))) = (&opts.device, kv_choice)
+    {
+        return Err(cuda_kv_refusal(d));
+    }
+    device::check_available(&opts.device)?;
+    let devices = opts.device.members();
+    let capacities: Vec<Option<u64>> = match &opts.device_memory_mib {
+        Some(spec) => split::parse_device_memory(spec, &devices)?
+            .into_iter()
+            .map(Some)
+            .collect(),
+        None => vec![None; devices.len()],
+    };
+    // GPUs are opened first: their free memory is their pools' capacity (device_memory_mib,
+    // when given, caps it), which the default layer split and the K/V sizing read.
+    #[cfg(feature = "cuda")]
+    let gpus = match &opts.device {
+        Device::Cuda(ids) => Some(open_gpus(ids, &capacities, opts.vram_reserve_mib)?),
+        _ => None,
+    };
+    #[cfg(feature = "cuda")]
+    let capacities: Vec<Option<u64>> = match &gpus {
+        Some(gpus) => gpus.iter().map(|g| g.memory.capacity()).collect(),
+        None => capacities,
+    };
+    let mut cache_opts = opts.cache.clone();
+    if cache_opts.faults.is_empty() {
+        // Fault injection reaches a server's engine through its environment.
+        cache_opts.faults = std::env::var("STRATA_CACHE_FAULTS").unwrap_or_default();
+    }
+    cache_opts.validate()?;
+    if opts.max_batch_tokens == 0 {
+        return Err(StrataError::invalid(
+            "max_batch_tokens",
+            "must be at least 1",
+        ));
+    }
+    if opts.max_batch == 0 {
+        return Err(StrataError::invalid("max_batch", "must be at least 1"));
+    }
+    let ngram = speculative_options(opts)?;
+    let threads = match opts.threads {
+        Some(0) => return Err(StrataError::invalid("threads", "must be at least 1")),
+        // Each thread gets a workspace: a huge count would abort on allocation, not fail.
+        Some(t) if t > MAX_THREADS => {
+            return Err(StrataError::invalid(
+                "threads",
+                format!("must be at most {MAX_THREADS}, got {t}"),
+            ))
+        }
+        Some(t) => t,
+        None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    Ok(Setup {
+        kv_choice,
+        quantize,
+        devices,
+        capacities,
+        #[cfg(feature = "cuda")]
+        gpus,
+        cache_opts,
+        ngram,
+        threads,
+    })
+}
+
+/// Phase 2: the model (quantized at load, interleaved for the CPU's kernels), the layer split
+/// its layer count allows, and the tokenizer.
+fn load_model(dir: &Path, opts: &EngineOptions, setup: &Setup) -> Result<Loaded> {
+    let source = ModelSource::locate(dir)?;
+    // The RoPE table is sized in `size`, once the pool has bounded the context: a context taken
+    // from the config (or max_context) can be far larger than memory.
+    let mut model = Model::load_source(&source, 0)?;
+    if let Some(ty) = setup.quantize {
+        if let ModelSource::Gguf(path) = &source {
+            return Err(StrataError::invalid(
+                "quantize",
+                format!(
+                    "{} is a GGUF file, already in its stored types; quantize applies to \
+                     Hugging Face folders",
+                    path.display()
+                ),
+            ));
+        }
+        let fell_back = model.quantize(ty)?;
+        if fell_back > 0 {
+            log::info!(
+                "quantize={}: {fell_back} matrices have rows that are not whole blocks of \
+                 it (q8_0 or as stored instead)",
+                ty.lower_name()
+            );
+        }
+    }
+    // The CPU's AVX2 and AVX-512 kernels read some quantized types fastest interleaved by
+    // groups of 16 rows (the same blocks and bytes, copied out of the map once):
+    // `interleave::wanted` says which.
+    if !matches!(opts.device, Device::Cuda(_)) {
+        let n = model.interleave_for_cpu();
+        if n > 0 {
+            log::info!("{n} quantized matrices interleaved for the CPU kernels");
+        }
+    }
+    // Only where it changes something (the fingerprint keys the disk cache on it).
+    model.bf16_dot = opts.bf16_dot
+        && !matches!(opts.device, Device::Cuda(_))
+        && matmul_bf16dot::available()
+        && model.has_bf16_matrix();
+    let config = &model.config;
+    let layer_split = match &opts.layer_split {
+        Some(spec) => split::parse_layer_split(spec, &setup.devices, config.num_layers)?,
+        None => split::default_layer_split(&setup.devices, &setup.capacities, config.num_layers)?,
+    };
+    let tokenizer = Tokenizer::load(source.path())?;
+    Ok(Loaded {
+        source,
+        model,
+        tokenizer,
+        layer_split,
+    })
+}
+
+/// Phase 3: the K/V pool (kv_memory_mib, or what the devices hold next to the weights), the
+/// context it bounds (the RoPE table is sized to it now), the step's limits and the cache's
+/// fingerprint.
+fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizing> {
+    let max_context = match opts.max_context {
+        Some(0) => return Err(StrataError::invalid("max_context", "must be at least 1")),
+        Some(n) => n,
+        None => loaded.model.config.max_position_embeddings,
+    };
+    // Unless kv_dtype says otherwise, f32 weights keep exact f32 K/V and f16/bf16 (and
+    // quantized) weights get f16 K/V (llama.cpp's default), which halves the bytes attention
+    // reads per token.
+    let kv_dtype = setup
+        .kv_choice
+        .unwrap_or_else(|| KvDtype::for_weights(loaded.model.dtype));
+    let config = &loaded.model.config;
+    let block_bytes = BlockPool::block_bytes(
+        config.num_layers,
+        BLOCK_SIZE,
+        config.num_kv_heads,
+        config.head_dim,
+        kv_dtype,
+    );
+    let part_bytes: Vec<usize> = loaded
+        .layer_split
+        .iter()
+        .map(|&layers| {
+            BlockPool::block_bytes(
+                layers,
+                BLOCK_SIZE,
+                config.num_kv_heads,
+                config.head_dim,
+                kv_dtype,
+            )
+        })
+        .collect();
+    let kv_blocks = match opts.kv_memory_mib {
+        Some(mib) => {
+            mib.checked_mul(1 << 20).ok_or_else(|| {
+                StrataError::invalid("kv_memory_mib", format!("{mib} MiB is too large"))
+            })? / block_bytes
+        }
+        #[cfg(feature = "cuda")]
+        None if setup.gpus.is_some() => gpu_sizing::kv_blocks(
+            &loaded.model,
+            setup.gpus.as_deref().unwrap_or_default(),
+            &loaded.layer_split,
+            &part_bytes,
+            gpu_sizing::limits(opts, max_context),
+            max_context,
+        )?,
+        None => {
+            let wanted = max_context
+                .div_ceil(BLOCK_SIZE)
+                .min((2048 << 20) / block_bytes)
+                .max(1);
+            let sizing = DeviceSizing {
+                devices: &setup.devices,
+                capacities: &setup.capacities,
+                layer_split: &loaded.layer_split,
+                part_bytes: &part_bytes,
+                max_batch_tokens: opts.max_batch_tokens.min(max_context),
+                max_batch: opts.max_batch,
+                threads: setup.threads,
+            };
+            sizing.blocks_that_fit(&loaded.model, wanted, max_context)?
+        }
+    };
+    // One sequence must fit in the pool, else no request of max_context could ever run.
+    let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
+    loaded.model.set_max_positions(max_context)?;
+    let config = &loaded.model.config;
+    let max_batch_tokens = opts.max_batch_tokens.min(max_context);
+    // Every running sequence's decode row must fit in one step.
+    let max_batch = opts.max_batch.min(max_batch_tokens);
+    let salt = fingerprint(
+        &loaded.source,
+        config,
+        kv_dtype,
+        setup.quantize,
+        loaded.model.bf16_dot,
+        max_context,
+    );
+    let layout = BlockLayout {
+        salt,
+        kv_dtype: kv_dtype.code(),
+        block_size: BLOCK_SIZE as u32,
+        num_layers: config.num_layers as u32,
+        kv_heads: config.num_kv_heads as u32,
+        head_dim: config.head_dim as u32,
+        block_bytes: block_bytes as u64,
+    };
+    Ok(Sizing {
+        max_context,
+        kv_dtype,
+        block_bytes,
+        part_bytes,
+        kv_blocks,
+        max_batch_tokens,
+        max_batch,
+        salt,
+        layout,
+    })
+}
+
+/// Phase 4: the memory pools, the conversation cache, the model runner and the engine core,
+/// and the engine thread that serves them.
+fn build_and_spawn(
+    opts: EngineOptions,
+    setup: Setup,
+    loaded: Loaded,
+    sizing: Sizing,
+) -> Result<Engine> {
+    // Without device_memory_mib the CPU's capacity is not configured: the pool accounts, and
+    // the OS decides what fits. A GPU's pool is its own (opened above).
+    let memory: Vec<MemoryPool> = match () {
+        #[cfg(feature = "cuda")]
+        () if setup.gpus.is_some() => setup
+            .gpus
+            .iter()
+            .flatten()
+            .map(|g| g.memory.clone())
+            .collect(),
+        () => setup
+            .devices
+            .iter()
+            .zip(&setup.capacities)
+            .map(|(name, &capacity)| MemoryPool::new(name.clone(), capacity))
+            .collect(),
+    };
+    let gate = RamGate::system((setup.cache_opts.host_min_free_mib as u64) << 20);
+    // A GPU's tier moves go through a pinned buffer of one block's part, when the RAM gate
+    // admits it (else through pageable memory).
+    #[cfg(feature = "cuda")]
+    let pinned_staging: Vec<bool> = sizing
+        .part_bytes
+        .iter()
+        .map(|&b| setup.gpus.is_some() && gate.admit(b as u64).is_ok())
+        .collect();
+    let parts = memory
+        .iter()
+        .zip(&sizing.part_bytes)
+        .map(|(pool, &bytes)| DevicePart {
+            memory: pool.clone(),
+            bytes,
+        })
+        .collect();
+    let cache = ConversationCache::new(&setup.cache_opts, sizing.layout, gate, parts)?;
+    let Loaded {
+        source,
+        model,
+        tokenizer,
+        layer_split,
+    } = loaded;
+    let Sizing {
+        max_context,
+        kv_dtype,
+        block_bytes,
+        kv_blocks,
+        max_batch_tokens,
+        max_batch,
+        salt,
+        ..
+    } = sizing;
+    let (threads, ngram, devices) = (setup.threads, setup.ngram, setup.devices);
+    let config = model.config.clone();
+    let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
+    let matmul_inputs = match model.dtype {
+        DType::Quant(_) => "int8",
+        DType::Bf16 if model.bf16_dot => "bf16",
+        _ => "f32",
+    };
+    let stages: Vec<Stage> = memory
+        .iter()
+        .zip(&layer_split)
+        .map(|(pool, &layers)| Stage {
+            memory: pool.clone(),
+            layers,
+        })
+        .collect();
+    let runner = match () {
+        #[cfg(feature = "cuda")]
+        () if setup.gpus.is_some() => {
+            use crate::device::cuda::runner::{CudaOptions, CudaRunner, StepLimits};
+            let gpus = setup.gpus.unwrap_or_default();
+            let limits = StepLimits {
+                max_tokens: max_batch_tokens,
+                max_seqs: max_batch,
+                max_context,
+                block_size: BLOCK_SIZE,
+            };
+            let cuda_opts = CudaOptions {
+                limits,
+                kv_blocks,
+                kv_dtype,
+                pinned_staging,
+                graphs: gpu_sizing::graph_limits(max_batch, gpus.len()),
+            };
+            let (cuda, kv) = CudaRunner::new(&model, gpus, &layer_split, cuda_opts)?;
+            ModelRunner::cuda(model, cuda, kv, threads.min(2))?
+        }
+        () => ModelRunner::split(
+            &stages,
+            model,
+            kv_blocks,
+            BLOCK_SIZE,
+            max_batch_tokens,
+            threads,
+            kv_dtype,
+        )?,
+    };
+    let info = EngineInfo {
+        model_dir: source.path().to_path_buf(),
+        format: source.format(),
+        dtype,
+        decode_weight_bytes,
+        kv_dtype: kv_dtype.name(),
+        quantize: setup.quantize.map(|q| q.lower_name()),
+        matmul_inputs,
+        config,
+        device: opts.device.name(),
+        threads,
+        max_context,
+        max_batch_tokens,
+        max_batch,
+        max_waiting: opts.max_waiting,
+        kv_blocks,
+        block_size: BLOCK_SIZE,
+        prefix_salt: salt,
+        kv_block_bytes: block_bytes,
+        speculative: ngram,
+        devices,
+        layer_split,
+    };
+    let tokenizer = Arc::new(tokenizer);
+    let queued = Arc::new(AtomicUsize::new(0));
+    let stats = Arc::new(Mutex::new(EngineStats {
+        kv_blocks_total: kv_blocks,
+        // What the disk scan found is visible before the first step.
+        cache: cache.stats().clone(),
+        ..Default::default()
+    }));
+    // The logits are the last device's output.
+    let last_device = memory
+        .last()
+        .ok_or_else(|| StrataError::Internal("no device".into()))?;
+    let mut scheduler = Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt);
+    scheduler.ngram = ngram;
+    let core = EngineCore::new(
+        last_device,
+        runner,
+        scheduler,
+        cache,
+        tokenizer.clone(),
+        max_context,
+        max_batch * (1 + ngram.map_or(0, |o| o.max_drafts)),
+        queued.clone(),
+        stats.clone(),
+    )?;
+    let (tx, rx) = mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("strata-engine".into())
+        .spawn(move || serve(core, rx))
+        .map_err(|e| StrataError::Internal(format!("cannot start the engine thread: {e}")))?;
+    let grammars = Grammars::new(tokenizer.clone(), info.config.vocab_size);
+    Ok(Engine {
+        info,
+        tokenizer,
+        grammars,
+        tx: Some(tx),
+        thread: Some(thread),
+        next_request_id: AtomicU64::new(0),
+        queued,
+        stats,
+        memory,
+    })
+}
+
+/// The drafting settings `opts` ask for, checked.
+fn speculative_options(opts: &EngineOptions) -> Result<Option<NgramOptions>> {
+    match opts.speculative.as_deref() {
+        None => return Ok(None),
+        Some("ngram") => {}
+        Some(other) => {
+            return Err(StrataError::invalid(
+                "speculative",
+                format!("must be \"ngram\" (drafts by prompt lookup), got {other:?}"),
+            ))
+        }
+    }
+    let k = opts.num_speculative_tokens;
+    if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
+        return Err(StrataError::invalid(
+            "num_speculative_tokens",
+            format!("must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"),
+        ));
+    }
+    if opts.ngram_min == 0 {
+        return Err(StrataError::invalid("ngram_min", "must be at least 1"));
+    }
+    if opts.ngram_max < opts.ngram_min {
+        return Err(StrataError::invalid(
+            "ngram_max",
+            format!(
+                "must be at least ngram_min ({}), got {}",
+                opts.ngram_min, opts.ngram_max
+            ),
+        ));
+    }
+    Ok(Some(NgramOptions {
+        max_drafts: k,
+        min_n: opts.ngram_min,
+        max_n: opts.ngram_max,
+        adaptive: opts.speculative_adaptive,
+    }))
+}
+
+/// What bounds the K/V pool on devices with a configured capacity.
+struct DeviceSizing<'a> {
+    devices: &'a [String],
+    capacities: &'a [Option<u64>],
+    layer_split: &'a [usize],
+    /// Bytes of one block's K/V on each device.
+    part_bytes: &'a [usize],
+    max_batch_tokens: usize,
+    max_batch: usize,
+    threads: usize,
+}
+
+impl DeviceSizing<'_> {
+    /// The default K/V pool (`wanted` blocks) cut to what the tightest device holds next to its
+    /// weights and workspace: the block table is shared, so every device holds every block's
+    /// part for its layers. The workspace is counted as it will be allocated: the RoPE table
+    /// and the block-table hint grow with the context, which the pool bounds
+    /// (`min(max_context, blocks x BLOCK_SIZE)` positions), and the last device holds the
+    /// logits rows. So the reservations made at load fit, with the most blocks that do.
+    fn blocks_that_fit(&self, model: &Model, wanted: usize, max_context: usize) -> Result<usize> {
+        if self.capacities.iter().all(Option::is_none) {
+            return Ok(wanted);
+        }
+        let c = &model.config;
+        let f32s = std::mem::size_of::<f32>() as u64;
+        // Made while the model's RoPE table is empty: its block-table hint is the step's rows.
+        let base = crate::model::forward::Workspace::new(model, self.max_batch_tokens, self.threads)
+            .bytes() as u64;
+        let context_bytes = |blocks: usize| -> u64 {
+            let positions = max_context.min(blocks.saturating_mul(BLOCK_SIZE)) as u64;
+            // cos and sin (head_dim / 2 each per position), and a quarter of the positions in
+            // u32s for the block-table hint.
+            positions
+                .saturating_mul(c.head_dim as u64 * f32s)
+                .saturating_add(positions / 4 * f32s)
+        };
+        let ranges = split::ranges(self.layer_split);
+        let last = self.devices.len() - 1;
+        let mut blocks = wanted;
+        for (d, capacity) in self.capacities.iter().enumerate() {
+            let Some(capacity) = *capacity else { continue };
+            let weights = model.stage_weight_bytes(ranges[d].clone(), d == 0, d == last) as u64;
+            let logits = if d == last {
+                (self.max_batch.min(self.max_batch_tokens) * c.vocab_size) as u64 * f32s
+            } else {
+                0
+            };
+            let part = self.part_bytes[d] as u64;
+            let need = |b: usize| -> u64 {
+                weights
+                    .saturating_add(base)
+                    .saturating_add(logits)
+                    .saturating_add(context_bytes(b))
+                    .saturating_add((b as u64).saturating_mul(part))
+            };
+            if need(1) > capacity {
+                return Err(StrataError::invalid(
+                    "device_memory_mib",
+                    format!(
+                        "device {} holds {} bytes; its weights and workspace with one K/V block \
+                         need {}",
+                        self.devices[d],
+                        capacity,
+                        need(1)
+                    ),
+                ));
+            }
+            // need() grows with the blocks: the most that fit, by bisection.
+            let (mut lo, mut hi) = (1, blocks);
+            while lo < hi {
+                let mid = lo + (hi - lo).div_ceil(2);
+                if need(mid) <= capacity {
+                    lo = mid;
+                } else {
+                    hi = mid - 1;
+                }
+            }
+            blocks = lo;
+        }
+        Ok(blocks)
+    }
+}
+
+/// Salt of every prefix hash chain: the model (its config, and each weight file's name, size,
+/// header and a sample of its bytes, and the type it was quantized to at load), the K/V format,
+/// layout and block size, so that cached K/V never crosses any of them, also on disk across
+/// restarts. The sample (64 windows of 4 KiB spread over each file) tells a retrained model from
+/// the one it replaced without reading every weight. LongRoPE rotates keys by one factor set or
+/// the other as the context served (`max_context`) passes the original one: the set counts too.
+fn fingerprint(
+    source: &ModelSource,
+    config: &ModelConfig,
+    kv_dtype: KvDtype,
+    quantize: Option<QuantType>,
+    bf16_dot: bool,
+    max_context: usize,
+) -> u64 {
+    use xxhash_rust::xxh3::xxh3_64;
+    let mut parts: Vec<u64> = vec![
+        BLOCK_SIZE as u64,
+        u64::from(kv_dtype.code()),
+        crate::kv::blocks::KV_LAYOUT_VERSION,
+    ];
+    if let Some(q) = quantize {
+        parts.push(xxh3_64(q.lower_name().as_bytes()));
+    }
+    // Rounded matmul inputs compute other K/V than f32 inputs from the same weights.
+    if bf16_dot {
+        parts.push(xxh3_64(b"bf16_dot"));
+    }
+    parts.push(config.vocab_size as u64);
+    if let RopeScaling::LongRope { .. } = config.rope_scaling {
+        let set: &[u8] = if config.rope_scaling.uses_long_factors(max_context) {
+            b"longrope long"
+        } else {
+            b"longrope short"
+        };
+        parts.push(xxh3_64(set));
+    }
+    if let ModelSource::Folder(dir) = source {
+        if let Ok(bytes) = std::fs::read(dir.join("config.json")) {
+            parts.push(xxh3_64(&bytes));
+        }
+    }
+    for path in source.weight_files() {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        parts.push(xxh3_64(name.unwrap_or_default().as_bytes()));
+        parts.push(sample_file(&path));
+    }
+    let words: Vec<u32> = parts
+        .iter()
+        .flat_map(|&p| [p as u32, (p >> 32) as u32])
+        .collect();
+    crate::kv::prefix::block_hash(0x5712_a7a5, &words)
+}
+
+/// A hash of a file's length, its first 64 KiB (a safetensors header) and 64 windows of 4 KiB at
+/// evenly spaced offsets. 0 when the file cannot be read (the model load reports that).
+fn sample_file(path: &Path) -> u64 {
+    use std::io::{Read, Seek, SeekFrom};
+    const WINDOW: u64 = 4096;
+    const WINDOWS: u64 = 64;
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return 0;
+    };
+    let len = f.metadata().map_or(0, |m| m.len());
+    let mut sampled = len.to_le_bytes().to_vec();
+    let mut buf = vec![0u8; 65536];
+    let mut read_at = |f: &mut std::fs::File, at: u64, n: usize, out: &mut Vec<u8>| {
+        if f.seek(SeekFrom::Start(at)).is_ok() {
+            let n = n.min(buf.len());
+            if let Ok(got) = f.read(&mut buf[..n]) {
+                out.extend_from_slice(&buf[..got]);
+            }
+        }
+    };
+    read_at(&mut f, 0, 65536, &mut sampled);
+    for i in 0..WINDOWS {
+        let at = len.saturating_sub(WINDOW) * i / (WINDOWS - 1).max(1);
+        read_at(&mut f, at, WINDOW as usize, &mut sampled);
+    }
+    xxhash_rust::xxh3::xxh3_64(&sampled)
+}
