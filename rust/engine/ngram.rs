@@ -173,7 +173,9 @@ impl DraftLength {
                 self.next = 1;
             }
         } else {
-            self.next = accepted.max(1);
+            // Partly accepted: one past what was, so the length keeps probing; the expected
+            // gain against the cost of the rows (`best_draft_len`) decides how many run.
+            self.next = (accepted + 1).min(max_drafts);
         }
     }
 }
@@ -295,8 +297,8 @@ mod tests {
         d.update(4, 4, 4);
         assert_eq!(d.take(), 4, "capped at the maximum");
         d.update(4, 2, 4);
-        assert_eq!(d.take(), 2, "partly accepted: what was accepted");
-        d.update(2, 0, 4);
+        assert_eq!(d.take(), 3, "partly accepted: one past what was accepted");
+        d.update(3, 0, 4);
         assert_eq!(d.take(), 1);
         d.update(1, 0, 4);
         // Paused for 4 steps, then one draft.
