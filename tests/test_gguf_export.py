@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import strata_rs
 from reference import reference_logits
 
 gguf = pytest.importorskip("gguf")
@@ -180,17 +181,61 @@ def test_llama_cpp_bf16_close_to_reference(model_dir: Callable[..., Path], tmp_p
 
 
 def test_export_metadata(exported: Callable[..., tuple[Path, Path]]) -> None:
-    _, path = exported("llama")
+    folder, path = exported("llama")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
     assert fields["general.architecture"] == "llama"
     assert fields["tokenizer.ggml.model"] == "gpt2"
     assert fields["tokenizer.ggml.pre"] == "gpt-2"
     assert fields["tokenizer.ggml.bos_token_id"] == 1
     assert fields["tokenizer.ggml.eos_token_id"] == 2
-    assert fields["tokenizer.ggml.add_bos_token"] is False
+    # Nothing in the folder says whether to add BOS (no add_bos_token, no post-processor), so
+    # there is no key, as llama.cpp's converter writes it: llama.cpp and strata-rs then take the
+    # "gpt-2" pre-tokenizer's default, false, as transformers adds none.
+    assert "tokenizer.ggml.add_bos_token" not in fields
+    assert strata_rs.Tokenizer.load(path).encode(TEXTS[0]) == hf_ids(folder, TEXTS[0])
     assert len(fields["tokenizer.ggml.tokens"]) == VOCAB
     assert fields["tokenizer.ggml.token_type"][:3] == [int(gguf.TokenType.CONTROL)] * 3
     assert "<|im_start|>" in fields["tokenizer.chat_template"]
+
+
+def hf_ids(folder: Path, text: str) -> list[int]:
+    """The folder's tokenizer.json ids for `text`, special tokens added as it adds them."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+
+
+def test_export_special_tokens_as_tokenizer_config_says(tmp_path: Path) -> None:
+    # As llama.cpp's converter takes them (gguf's SpecialVocab): the ids of tokenizer_config.json's
+    # tokens before config.json's ids (generation_config.json's first eos id, 2, is not read),
+    # its add_bos/add_eos flags and its chat template.
+    from strata_rs.testing.models import make_model
+
+    folder = make_model(tmp_path / "llama", "llama")
+    config_path = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config.update(
+        add_bos_token=True,
+        add_eos_token=False,
+        eos_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+        chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    config_path.write_text(json.dumps(tok_config))
+    path = export_gguf(folder, tmp_path / "m.gguf", "f32")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    ids = {added["content"]: added["id"] for added in tok["added_tokens"]}
+    assert fields["tokenizer.ggml.bos_token_id"] == ids["<|im_start|>"] == 1
+    assert fields["tokenizer.ggml.eos_token_id"] == ids["<|endoftext|>"] == 0
+    assert fields["tokenizer.ggml.padding_token_id"] == ids["<|im_end|>"] == 2
+    assert fields["tokenizer.ggml.add_bos_token"] is True
+    assert fields["tokenizer.ggml.add_eos_token"] is False
+    assert fields["tokenizer.chat_template"] == tok_config["chat_template"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    assert fields["tokenizer.ggml.merges"] == merges
+    # strata-rs adds the BOS the file asks for.
+    assert strata_rs.Tokenizer.load(path).encode("Hi")[0] == 1
 
 
 # Phi-4-mini's RoPE (three quarters of each head rotated) with a tied head, in transformers 5's

@@ -1,8 +1,11 @@
 """Export a Hugging Face Llama-family model folder to GGUF for llama.cpp.
 
 Used to run the same weights through llama.cpp as a benchmark peer.  Written
-from the GGUF specification and the `gguf` package's writer API; it handles
-what `strata_rs.testing.models.make_model` writes and the equivalent real
+from the GGUF specification and the `gguf` package's writer API, with the
+tensor names and the special tokens (ids, add_bos/add_eos, merges, chat
+template) from that package's `TensorNameMap` and `SpecialVocab`, as
+llama.cpp's own converter takes them; it handles what
+`strata_rs.testing.models.make_model` writes and the equivalent real
 checkpoints:
 
 * model_type llama / mistral -> GGUF arch "llama" (q/k rows permuted, see
@@ -317,70 +320,20 @@ def _neox_to_interleaved(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-# Gemma's layer norms: its `post_attention_layernorm` is the attention output's norm (Llama's
-# is the MLP's input norm), and it has two more.
-_GEMMA3_NORMS = {
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-}
+def _tensor_name_map(arch: str, n_blocks: int) -> gguf.TensorNameMap:
+    """The `gguf` package's HF -> GGUF tensor names for a GGUF architecture name (the map
+    llama.cpp's converter uses; it knows each arch's own names, such as Gemma 3's four norms)."""
+    import gguf
+
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    return gguf.get_tensor_name_map(model_arch, n_blocks)
 
 
-def _gguf_name(hf_name: str, arch: str = "llama") -> str | None:
-    """GGUF tensor name for an HF tensor name (None: not exported)."""
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in fixed:
-        return fixed[hf_name]
-    if not hf_name.startswith("model.layers."):
-        return None
-    layer, _, rest = hf_name[len("model.layers.") :].partition(".")
-    if arch == "gemma3" and rest in _GEMMA3_NORMS:
-        return f"blk.{int(layer)}.{_GEMMA3_NORMS[rest]}"
-    suffix = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_proj.bias": "attn_q.bias",
-        "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.o_proj.bias": "attn_output.bias",
-        # Phi-3's fused projections (q, k, v rows; gate, up rows), kept fused.
-        "self_attn.qkv_proj.weight": "attn_qkv.weight",
-        "mlp.gate_up_proj.weight": "ffn_up.weight",
-        "self_attn.q_norm.weight": "attn_q_norm.weight",
-        "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-        # The routers of Qwen3-MoE and Mixtral.
-        "mlp.gate.weight": "ffn_gate_inp.weight",
-        "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-    }.get(rest)
-    if suffix is None:
-        return None
-    return f"blk.{int(layer)}.{suffix}"
-
-
-# One expert's matrix (Qwen3-MoE's names, then Mixtral's): layer, expert, which.
-_EXPERT = re.compile(
-    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
-)
-_EXPERT_KIND = {
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
-    "w1": "gate",
-    "w3": "up",
-    "w2": "down",
-}
+# One expert's matrix, Qwen3-MoE's `mlp.experts.E.gate_proj` or Mixtral's
+# `block_sparse_moe.experts.E.w1`: gguf's map names only the stacked tensor (the HF name without
+# the expert index, as llama.cpp's converter looks it up after stacking), so the index is taken
+# out here.
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(.+)")
 
 
 def _num_experts(config: Mapping[str, Any]) -> int:
@@ -448,27 +401,41 @@ def _add_tensors(
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     n_experts = _num_experts(config)
-    # A layer's experts of one matrix, gathered until all have been read, then stacked.
-    experts: dict[tuple[int, str], dict[int, tuple[str, np.ndarray]]] = {}
+    n_blocks = int(config["num_hidden_layers"])
+    tensor_maps = [_tensor_name_map(arch, n_blocks)]
+    if arch == "qwen3moe":
+        # llama.cpp's qwen3moe has no dense layers, so gguf's map has no names for the MLP of a
+        # Qwen3-MoE dense layer (mlp_only_layers); strata-rs reads it under qwen3's names.
+        tensor_maps.append(_tensor_name_map("qwen3", n_blocks))
+
+    def gguf_name(hf_name: str) -> str | None:
+        for tensor_map in tensor_maps:
+            name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if name is not None:
+                return name
+        return None
+
+    # A layer's experts of one matrix by stacked name, gathered until all have been read.
+    experts: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
     seen: set[str] = set()
     for path in _safetensors_files(model_dir):
         for hf_name, st_dtype, arr in _iter_safetensors(path):
-            if (m := _EXPERT.fullmatch(hf_name)) is not None:
-                layer, expert, kind = int(m[1]), int(m[2]), _EXPERT_KIND[m[3]]
-                parts = experts.setdefault((layer, kind), {})
-                parts[expert] = (st_dtype, arr)
+            if "rotary_emb" in hf_name:
+                # Old checkpoints store derived inv_freq buffers (gguf's llama map names them).
+                continue
+            expert = _EXPERT.fullmatch(hf_name)
+            name = gguf_name(hf_name if expert is None else f"{expert[1]}.{expert[3]}")
+            if name is None:
+                raise ValueError(f"unexpected tensor {hf_name!r} in {path.name}")
+            if expert is not None:
+                parts = experts.setdefault(name, {})
+                parts[int(expert[2])] = (st_dtype, arr)
                 if len(parts) == n_experts:
                     stacked = np.stack([_to_f32(*parts[e]) for e in range(n_experts)])
-                    name = f"blk.{layer}.ffn_{kind}_exps.weight"
                     seen.add(name)
                     _write(writer, name, "F32", stacked, dtype, quantizer)
-                    del experts[(layer, kind)]
+                    del experts[name]
                 continue
-            name = _gguf_name(hf_name, arch)
-            if name is None:
-                if "rotary_emb" in hf_name:
-                    continue  # old checkpoints store derived inv_freq buffers
-                raise ValueError(f"unexpected tensor {hf_name!r} in {path.name}")
             if name == "output.weight" and tied:
                 # A tied checkpoint may still carry lm_head; llama.cpp reuses
                 # token_embd when `output` is absent, matching transformers.
@@ -518,44 +485,23 @@ def _pre_tokenizer_name(tok: Mapping[str, Any]) -> str:
     )
 
 
-def _merges(model: Mapping[str, Any]) -> list[str]:
-    out: list[str] = []
+def _check_merges(model: Mapping[str, Any]) -> None:
     for merge in model.get("merges", []):
-        # tokenizers >= 0.20 writes [left, right] pairs, older ones "left right".
-        left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
-        if " " in left or " " in right:
-            # GGUF stores "left right"; a space inside a side is ambiguous.
+        # tokenizers >= 0.20 writes [left, right] pairs, older ones "left right". GGUF stores
+        # "left right"; gguf's SpecialVocab would turn a space inside a side into U+0120, which
+        # in a byte-level vocabulary is the space byte's own symbol: another merge.
+        text = merge if isinstance(merge, str) else " ".join(merge)
+        if text.count(" ") != 1:
             raise ValueError(f"merge {merge!r} contains a space; cannot store it in GGUF")
-        out.append(f"{left} {right}")
-    return out
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
-def _add_bos(tok: Mapping[str, Any], tok_config: Mapping[str, Any]) -> bool:
-    """Whether encoding prepends a BOS token, as transformers would do it."""
-    if "add_bos_token" in tok_config:
-        return bool(tok_config["add_bos_token"])
-    post = tok.get("post_processor") or {}
-    steps = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
-    for step in steps:
-        if step.get("type") == "TemplateProcessing":
-            single = step.get("single") or []
-            return bool(single) and "SpecialToken" in single[0]
-    return False
 
 
 def _add_tokenizer(
     writer: gguf.GGUFWriter,
     model_dir: Path,
-    config: Mapping[str, Any],
     vocab_size: int,
     pre_tokenizer: str | None,
 ) -> None:
+    import gguf
     from gguf import TokenType
 
     tok = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
@@ -566,6 +512,7 @@ def _add_tokenizer(
     for key in ("continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(key):
             raise ValueError(f"BPE {key}={model[key]!r} is not supported")
+    _check_merges(model)
     normalizer = tok.get("normalizer")
     # Qwen2 ships an NFC normalizer that llama.cpp does not run; it only
     # matters for text that is not already NFC.  Anything else changes text.
@@ -602,44 +549,11 @@ def _add_tokenizer(
     writer.add_tokenizer_pre(pre_tokenizer or _pre_tokenizer_name(tok))
     writer.add_token_list(token_list)
     writer.add_token_types(type_list)
-    writer.add_token_merges(_merges(model))
-
-    tok_config_path = model_dir / "tokenizer_config.json"
-    tok_config: dict[str, Any] = (
-        json.loads(tok_config_path.read_text(encoding="utf-8")) if tok_config_path.is_file() else {}
-    )
-    gen_path = model_dir / "generation_config.json"
-    gen: dict[str, Any] = (
-        json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.is_file() else {}
-    )
-    ids_by_text = {t: i for i, t in tokens.items()}
-
-    def special_id(key: str) -> int | None:
-        for source in (gen, config):
-            value = _first_id(source.get(f"{key}_token_id"))
-            if value is not None:
-                return value
-        text = tok_config.get(f"{key}_token")
-        if isinstance(text, Mapping):
-            text = text.get("content")
-        return ids_by_text.get(text) if isinstance(text, str) else None
-
-    bos, eos, pad_id = special_id("bos"), special_id("eos"), special_id("pad")
-    if bos is not None:
-        writer.add_bos_token_id(bos)
-    if eos is not None:
-        writer.add_eos_token_id(eos)
-    if pad_id is not None:
-        writer.add_pad_token_id(pad_id)
-    writer.add_add_bos_token(_add_bos(tok, tok_config))
-    writer.add_add_eos_token(False)
-
-    template = tok_config.get("chat_template")
-    jinja = model_dir / "chat_template.jinja"
-    if template is None and jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
-    if template:
-        writer.add_chat_template(template)
+    # The merges, the special token ids (tokenizer_config.json's tokens, else config.json's ids),
+    # add_bos/add_eos where tokenizer_config.json or the post-processor says, and the chat
+    # template: as llama.cpp's converter writes them (its _set_vocab_gpt2 does just this).
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    special.add_to_gguf(writer, quiet=True)
 
 
 # --------------------------------------------------------------------------
@@ -787,7 +701,7 @@ def export_gguf(
         if config.get("final_logit_softcapping") is not None:
             writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
-    _add_tokenizer(writer, model_dir, config, vocab_size, pre_tokenizer)
+    _add_tokenizer(writer, model_dir, vocab_size, pre_tokenizer)
     if freq_factors is not None:
         writer.add_tensor("rope_freqs.weight", freq_factors)
     if phi3_rope is not None and phi3_rope[2] is not None:
