@@ -485,6 +485,11 @@ BAD_TOOLS: list[tuple[dict[str, Any], str, str]] = [
         "must be a boolean, got string",
     ),
     (
+        {"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]},
+        "tools[0].function.strict",
+        "must be a boolean, got integer",
+    ),
+    (
         {"tools": W, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
         "tool_choice",
         "'get_weather' cannot be combined with response_format",

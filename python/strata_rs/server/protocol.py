@@ -275,13 +275,14 @@ def type_name(value: Any) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def bool_field(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    """`body[name]` as a bool (`default` when absent or null); 400 naming it otherwise."""
+def bool_field(body: Mapping[str, Any], name: str, default: bool, where: str | None = None) -> bool:
+    """`body[name]` as a bool (`default` when absent or null); 400 naming it otherwise, as
+    `where` when given (a nested field's whole path)."""
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(name, f"must be a boolean, got {type_name(value)}")
+        raise invalid(where or name, f"must be a boolean, got {type_name(value)}")
     return value
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata_rs import StrataError, Tokenizer
-from strata_rs.server.protocol import invalid, type_name
+from strata_rs.server.protocol import bool_field, invalid, type_name
 from strata_rs.server.reasoning import held_prefix
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -69,9 +69,7 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     none is asked for. Errors name the field (`tools[1].function.name`)."""
     raw_tools = body.get("tools")
     choice_value = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise invalid("parallel_tool_calls", f"must be a boolean, got {type_name(parallel)}")
+    parallel = bool_field(body, "parallel_tool_calls", True)
     tools: list[Tool] = []
     if raw_tools is not None:
         if not isinstance(raw_tools, list):
@@ -86,7 +84,7 @@ def parse_tool_request(body: Mapping[str, Any]) -> ToolRequest | None:
     choice = _parse_choice(choice_value, tools)
     if not tools:
         return None
-    return ToolRequest(tools, choice, True if parallel is None else parallel)
+    return ToolRequest(tools, choice, parallel)
 
 
 def _parse_tool(i: int, entry: Any) -> Tool:
@@ -119,9 +117,8 @@ def _parse_tool(i: int, entry: Any) -> Tool:
             f"{where}.function.parameters",
             f"must be a JSON schema object, got {type_name(parameters)}",
         )
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise invalid(f"{where}.function.strict", f"must be a boolean, got {type_name(strict)}")
+    # Checked, not used: `tool_choice` decides whether calls are constrained to the schema.
+    bool_field(function, "strict", False, where=f"{where}.function.strict")
     return Tool(name, parameters, entry)
 
 
