@@ -355,12 +355,25 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model_dir: MakeMode
 
 
 def test_grace_period_ends_requests_that_outlast_it_and_exits_0(model_dir: MakeModel) -> None:
-    model = model_dir("llama", max_position_embeddings=4096)
+    """The request cannot finish within the grace period whatever the machine's speed: the
+    client reads nothing after the first line until the server has exited, and its receive buffer
+    is pinned small, so the response (megabytes: 16,000 tokens with their top-5 logprobs) stays
+    stuck behind the socket's buffers and is still running when the grace period ends."""
+    model = model_dir("llama", max_position_embeddings=16384)
     s = Server(serve_argv("--model", str(model), "--grace-seconds", "0.3"))
     s.wait_healthy()
-    body = {"prompt": [5], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True}
-    # 4000 tokens take the engine well over the grace period.
-    with httpx.Client(base_url=s.url, timeout=60) as client:
+    body = {
+        "prompt": [5],
+        "max_tokens": 16000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 5,
+        "stream": True,
+    }
+    small_window = httpx.HTTPTransport(
+        socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)]
+    )
+    with httpx.Client(base_url=s.url, timeout=60, transport=small_window) as client:
         with client.stream("POST", "/v1/completions", json=body) as r:
             it = r.iter_lines()
             next(it)
@@ -371,6 +384,7 @@ def test_grace_period_ends_requests_that_outlast_it_and_exits_0(model_dir: MakeM
                 for line in it:
                     rest.append(line)
             assert "data: [DONE]" not in rest
+            assert len(rest) < 2 * 16000, "the response was cut short"
     assert any("timeout graceful shutdown exceeded" in x for x in s.lines)
 
 
