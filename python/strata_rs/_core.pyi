@@ -30,6 +30,7 @@ __all__ = [
     "dequantize",
     "prefix_block_hashes",
     "quantize",
+    "stats_metrics",
     "validate_messages",
 ]
 
@@ -86,6 +87,30 @@ def prefix_block_hashes(token_ids: Sequence[int], prefix_salt: int, block_size: 
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Checks chat messages as ``Engine.chat`` does before rendering them (a non-empty list of
     objects, each with a known role and text content); raises InvalidRequest naming the message."""
+
+class MetricSource(TypedDict):
+    path: str
+    """Dot-separated keys of the stats dict; ``*``: each key of a dict (the next label's
+    value); ``[]`` or ``[field=value]``: each record of a list (giving the labels left)."""
+    labels: dict[str, str]
+    """Labels every sample from this path has."""
+
+class MetricSpec(TypedDict):
+    name: str
+    """Without ``_total`` for a counter (prometheus_client appends it)."""
+    type: Literal["gauge", "counter", "histogram"]
+    help: str
+    labels: list[str]
+    sources: list[MetricSource]
+    zeros: list[list[str]]
+    """Label values listed at 0 until counted."""
+    zeros_from: str | None
+    """A path to a dict whose keys are listed the same way."""
+
+def stats_metrics() -> list[MetricSpec]:
+    """The Prometheus families ``/metrics`` reads from ``Engine.stats()``, in exposition order:
+    name, type, help text, labels and the key paths of their samples
+    (rust/engine/stats/metrics.rs)."""
 
 @final
 class Tokenizer:

@@ -27,6 +27,15 @@ pub enum Tier {
 }
 
 impl Tier {
+    /// The routes a block takes between tiers: offloads down, then restores up.
+    pub const ROUTES: [(Tier, Tier); 5] = [
+        (Tier::Device, Tier::Host),
+        (Tier::Device, Tier::Disk),
+        (Tier::Host, Tier::Disk),
+        (Tier::Host, Tier::Device),
+        (Tier::Disk, Tier::Device),
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             Tier::Device => "device",
@@ -47,6 +56,8 @@ pub enum MoveResult {
 }
 
 impl MoveResult {
+    pub const ALL: [MoveResult; 3] = [MoveResult::Ok, MoveResult::Refused, MoveResult::Failed];
+
     pub fn name(self) -> &'static str {
         match self {
             MoveResult::Ok => "ok",
@@ -71,6 +82,8 @@ pub enum Gate {
 }
 
 impl Gate {
+    pub const ALL: [Gate; 4] = [Gate::Ram, Gate::HostBudget, Gate::DiskBudget, Gate::Device];
+
     pub fn name(self) -> &'static str {
         match self {
             Gate::Ram => "ram",
@@ -144,8 +157,8 @@ impl CacheOptions {
     }
 }
 
-/// A restore as the log line reports it.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// A restore as the log line reports it (and `stats()["cache"]["last_restore"]`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
 pub struct RestoreRecord {
     pub tokens: usize,
     pub from_host: usize,
@@ -154,7 +167,8 @@ pub struct RestoreRecord {
     pub seconds: f64,
 }
 
-/// The cache's counters, published with the engine's stats after each step.
+/// The cache's counters, published with the engine's stats after each step; `stats()["cache"]`
+/// is their public shape (`engine::stats::CacheReport`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CacheStats {
     pub host_blocks: usize,

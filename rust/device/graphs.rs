@@ -107,8 +107,8 @@ pub enum StepGraph<'a, G> {
 }
 
 /// Counters of the graph cache. `graphs` and `bytes` are the present contents; the rest count
-/// events since the cache was made.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// events since the cache was made. Serialized as `stats()["graphs"]` (rust/engine/stats.rs).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct GraphCacheStats {
     /// Graphs cached now.
     pub graphs: usize,

@@ -1,14 +1,26 @@
 //! EngineStats: what the engine thread publishes after every step, read by `Engine::stats`
-//! without a round trip to the thread.
+//! without a round trip to the thread; and the one definition of its public schema.
+//!
+//! `Engine.stats()` in Python is a [`StatsSnapshot`] serialized with serde (pythonize): the
+//! derives and `#[serde(...)]` attributes here (and on `GraphCacheStats`, `RestoreRecord`) are
+//! the dict's keys, names and nesting; nothing builds that dict by hand. The Prometheus families
+//! read from it are the table in [`metrics`].
 
+pub mod metrics;
+
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use crate::cache::CacheStats;
+use serde::ser::{SerializeMap, SerializeStruct};
+use serde::{Serialize, Serializer};
+
+use crate::cache::{CacheStats, Gate, MoveResult, RestoreRecord, Tier};
 use crate::device::graphs::GraphCacheStats;
+use crate::device::memory_pool::{PoolSnapshot, Purpose};
 
 /// Counts of observations at or below each bound (Prometheus-style cumulative buckets are
 /// derived on export), with their sum.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize)]
 pub struct Histogram {
     pub bounds: &'static [f64],
     /// `counts[i]`: observations in `(bounds[i-1], bounds[i]]`; the last slot is `> bounds[-1]`.
@@ -43,7 +55,8 @@ pub const LATENCY_BOUNDS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-#[derive(Clone, Debug)]
+/// The field order is the order of the keys of `stats()`.
+#[derive(Clone, Debug, Serialize)]
 pub struct EngineStats {
     pub running: usize,
     pub waiting: usize,
@@ -51,14 +64,19 @@ pub struct EngineStats {
     pub kv_blocks_used: usize,
     /// Blocks indexed in the prefix cache (held or evictable).
     pub kv_blocks_cached: usize,
+    /// `kv_blocks_used / kv_blocks_total` (0 with no pool); set by [`StatsSnapshot::new`].
+    pub kv_usage: f64,
     pub prefix_query_tokens: u64,
     pub prefix_hit_tokens: u64,
     pub preemptions: u64,
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
+    #[serde(rename = "requests_finished")]
     pub finished: u64,
+    #[serde(rename = "requests_cancelled")]
     pub cancelled: u64,
     /// Requests refused because the queue was full.
+    #[serde(rename = "requests_refused")]
     pub refused: u64,
     pub steps: u64,
     pub step_tokens: u64,
@@ -75,7 +93,8 @@ pub struct EngineStats {
     pub spec_accepted_per_step: Histogram,
     /// Why the engine loop stopped, once it has.
     pub stopped: Option<String>,
-    /// The conversation cache's tiers, moves and refusals.
+    /// The conversation cache's tiers, moves and refusals (published as [`CacheReport`]).
+    #[serde(skip)]
     pub cache: CacheStats,
     /// The captured decode graphs (all zero on the CPU, which captures none).
     pub graphs: GraphCacheStats,
@@ -91,6 +110,7 @@ impl Default for EngineStats {
             kv_blocks_total: 0,
             kv_blocks_used: 0,
             kv_blocks_cached: 0,
+            kv_usage: 0.0,
             prefix_query_tokens: 0,
             prefix_hit_tokens: 0,
             preemptions: 0,
@@ -131,6 +151,181 @@ impl EngineStats {
         self.spec_accepted_per_step.push(accepted as f64);
     }
 }
+
+/// `Engine.stats()`: the engine's counters (their fields first, in order), then `cache` and
+/// `memory`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StatsSnapshot {
+    #[serde(flatten)]
+    pub engine: EngineStats,
+    pub cache: CacheReport,
+    /// Each device's memory accounting, read at the call.
+    pub memory: MemoryReport,
+}
+
+impl StatsSnapshot {
+    /// `stats` as `Engine::stats` gives them, the block's bytes (`EngineInfo::kv_block_bytes`)
+    /// and the devices' memory pools (`Engine::memory`).
+    pub fn new(mut stats: EngineStats, block_bytes: usize, memory: Vec<PoolSnapshot>) -> Self {
+        stats.kv_usage = stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64;
+        let cache = CacheReport::new(&stats, block_bytes);
+        StatsSnapshot {
+            engine: stats,
+            cache,
+            memory: MemoryReport(memory),
+        }
+    }
+}
+
+/// `stats()["cache"]`: tiers, hits per tier, moves, refusals, the last restore.
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheReport {
+    pub tiers: CacheTiers,
+    pub hit_tokens: HitTokens,
+    pub moves: Vec<CacheMove>,
+    /// Per gate, only those that refused.
+    pub refusals: BTreeMap<Gate, u64>,
+    pub device_refusals: BTreeMap<String, u64>,
+    pub corrupt_files: u64,
+    pub adopted_files: u64,
+    pub faults_injected: BTreeMap<&'static str, u64>,
+    pub last_restore: Option<RestoreRecord>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheTiers {
+    pub device: TierReport,
+    pub host: TierReport,
+    pub disk: DiskTierReport,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TierReport {
+    pub blocks: usize,
+    pub bytes: u64,
+    pub budget_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DiskTierReport {
+    #[serde(flatten)]
+    pub tier: TierReport,
+    pub dir: Option<String>,
+    pub enabled: bool,
+}
+
+/// Prompt tokens whose K/V came from each tier (`device`: already there).
+#[derive(Clone, Debug, Serialize)]
+pub struct HitTokens {
+    pub device: u64,
+    pub host: u64,
+    pub disk: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CacheMove {
+    pub from: Tier,
+    pub to: Tier,
+    pub result: MoveResult,
+    pub blocks: u64,
+    pub bytes: u64,
+}
+
+impl CacheReport {
+    fn new(s: &EngineStats, block_bytes: usize) -> Self {
+        let c = &s.cache;
+        let block_bytes = block_bytes as u64;
+        let tier = |blocks: usize, bytes: u64, budget_bytes: u64| TierReport {
+            blocks,
+            bytes,
+            budget_bytes,
+        };
+        CacheReport {
+            tiers: CacheTiers {
+                device: tier(
+                    s.kv_blocks_cached,
+                    s.kv_blocks_cached as u64 * block_bytes,
+                    s.kv_blocks_total as u64 * block_bytes,
+                ),
+                host: tier(c.host_blocks, c.host_bytes, c.host_budget),
+                disk: DiskTierReport {
+                    tier: tier(c.disk_blocks, c.disk_bytes, c.disk_budget),
+                    dir: c.disk_dir.clone(),
+                    enabled: c.disk_dir.is_some(),
+                },
+            },
+            hit_tokens: HitTokens {
+                device: s.prefix_hit_tokens,
+                host: c.hit_tokens_host,
+                disk: c.hit_tokens_disk,
+            },
+            moves: c
+                .moves
+                .iter()
+                .map(|(&(from, to, result), &blocks)| CacheMove {
+                    from,
+                    to,
+                    result,
+                    blocks,
+                    bytes: blocks * block_bytes,
+                })
+                .collect(),
+            refusals: c.refusals.clone(),
+            device_refusals: c.device_refusals.clone(),
+            corrupt_files: c.corrupt_files,
+            adopted_files: c.adopted_files,
+            faults_injected: c.faults_injected.clone(),
+            last_restore: c.last_restore.clone(),
+        }
+    }
+}
+
+/// `stats()["memory"]`: `{device: {"capacity_bytes": int | None, "in_use_bytes": {purpose:
+/// int}}}`, every purpose listed (at 0 when nothing holds it), devices in the engine's order.
+#[derive(Clone, Debug)]
+pub struct MemoryReport(pub Vec<PoolSnapshot>);
+
+impl Serialize for MemoryReport {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|pool| (&pool.device, PoolReport(pool))))
+    }
+}
+
+struct PoolReport<'a>(&'a PoolSnapshot);
+
+impl Serialize for PoolReport<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut pool = serializer.serialize_struct("PoolReport", 2)?;
+        pool.serialize_field("capacity_bytes", &self.0.capacity)?;
+        pool.serialize_field("in_use_bytes", &InUse(self.0))?;
+        pool.end()
+    }
+}
+
+struct InUse<'a>(&'a PoolSnapshot);
+
+impl Serialize for InUse<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let mut map = serializer.serialize_map(Some(Purpose::COUNT))?;
+        for (purpose, bytes) in self.0.by_purpose() {
+            map.serialize_entry(&purpose, &bytes)?;
+        }
+        map.end()
+    }
+}
+
+/// The cache's and the memory pool's names are their `name()`s, in stats and labels alike.
+macro_rules! serialize_by_name {
+    ($($t:ty),*) => {$(
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.name())
+            }
+        }
+    )*};
+}
+
+serialize_by_name!(Tier, MoveResult, Gate, Purpose);
 
 #[cfg(test)]
 mod tests {

@@ -18,11 +18,10 @@ use super::sampling_params::resolve;
 use super::stream::{collect, PyTokenStream, StreamState};
 use super::tokenizer::PyTokenizer;
 use crate::bench::BenchSpec;
-use crate::cache::{CacheOptions, CacheStats};
-use crate::device::memory_pool::PoolSnapshot;
+use crate::cache::CacheOptions;
 use crate::device::Device;
 use crate::engine::request::{validate_messages, PromptTokenLogprob, SamplingParams};
-use crate::engine::stats::{EngineStats, Histogram};
+use crate::engine::stats::StatsSnapshot;
 use crate::engine::{Engine, EngineOptions, Submission};
 use crate::error::StrataError;
 use crate::model::tokenizer::Tokenizer;
@@ -82,158 +81,6 @@ impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.cancel();
     }
-}
-
-fn histogram_dict<'py>(py: Python<'py>, h: &Histogram) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("bounds", h.bounds.to_vec())?;
-    d.set_item("counts", h.counts.clone())?;
-    d.set_item("sum", h.sum)?;
-    d.set_item("count", h.count)?;
-    Ok(d)
-}
-
-/// The conversation cache's part of `stats()`: tiers, hits, moves, refusals, the last restore.
-fn cache_dict<'py>(
-    py: Python<'py>,
-    s: &EngineStats,
-    block_bytes: usize,
-) -> PyResult<Bound<'py, PyDict>> {
-    let c: &CacheStats = &s.cache;
-    let tier = |blocks: usize, bytes: u64, budget: u64| -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("blocks", blocks)?;
-        d.set_item("bytes", bytes)?;
-        d.set_item("budget_bytes", budget)?;
-        Ok(d)
-    };
-    let tiers = PyDict::new(py);
-    tiers.set_item(
-        "device",
-        tier(
-            s.kv_blocks_cached,
-            (s.kv_blocks_cached * block_bytes) as u64,
-            (s.kv_blocks_total * block_bytes) as u64,
-        )?,
-    )?;
-    tiers.set_item("host", tier(c.host_blocks, c.host_bytes, c.host_budget)?)?;
-    let disk = tier(c.disk_blocks, c.disk_bytes, c.disk_budget)?;
-    disk.set_item("dir", c.disk_dir.clone())?;
-    disk.set_item("enabled", c.disk_dir.is_some())?;
-    tiers.set_item("disk", disk)?;
-    let hits = PyDict::new(py);
-    hits.set_item("device", s.prefix_hit_tokens)?;
-    hits.set_item("host", c.hit_tokens_host)?;
-    hits.set_item("disk", c.hit_tokens_disk)?;
-    let moves = PyList::empty(py);
-    for (&(from, to, result), &blocks) in &c.moves {
-        let m = PyDict::new(py);
-        m.set_item("from", from.name())?;
-        m.set_item("to", to.name())?;
-        m.set_item("result", result.name())?;
-        m.set_item("blocks", blocks)?;
-        m.set_item("bytes", blocks * block_bytes as u64)?;
-        moves.append(m)?;
-    }
-    let refusals = PyDict::new(py);
-    for (gate, n) in &c.refusals {
-        refusals.set_item(gate.name(), n)?;
-    }
-    let d = PyDict::new(py);
-    d.set_item("tiers", tiers)?;
-    d.set_item("hit_tokens", hits)?;
-    d.set_item("moves", moves)?;
-    d.set_item("refusals", refusals)?;
-    let device_refusals = PyDict::new(py);
-    for (device, n) in &c.device_refusals {
-        device_refusals.set_item(device, n)?;
-    }
-    d.set_item("device_refusals", device_refusals)?;
-    d.set_item("corrupt_files", c.corrupt_files)?;
-    d.set_item("adopted_files", c.adopted_files)?;
-    let injected = PyDict::new(py);
-    for (kind, n) in &c.faults_injected {
-        injected.set_item(kind, n)?;
-    }
-    d.set_item("faults_injected", injected)?;
-    let last = match &c.last_restore {
-        Some(r) => {
-            let l = PyDict::new(py);
-            l.set_item("tokens", r.tokens)?;
-            l.set_item("from_host", r.from_host)?;
-            l.set_item("from_disk", r.from_disk)?;
-            l.set_item("bytes", r.bytes)?;
-            l.set_item("seconds", r.seconds)?;
-            Some(l)
-        }
-        None => None,
-    };
-    d.set_item("last_restore", last)?;
-    Ok(d)
-}
-
-/// `{device: {"capacity_bytes": int | None, "in_use_bytes": {purpose: int}}}`, every purpose
-/// listed (at 0 when nothing holds it).
-fn memory_dict<'py>(py: Python<'py>, pools: &[PoolSnapshot]) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    for pool in pools {
-        let in_use = PyDict::new(py);
-        for (purpose, bytes) in pool.by_purpose() {
-            in_use.set_item(purpose.name(), bytes)?;
-        }
-        let entry = PyDict::new(py);
-        entry.set_item("capacity_bytes", pool.capacity)?;
-        entry.set_item("in_use_bytes", in_use)?;
-        d.set_item(&pool.device, entry)?;
-    }
-    Ok(d)
-}
-
-fn stats_dict<'py>(py: Python<'py>, s: &EngineStats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("running", s.running)?;
-    d.set_item("waiting", s.waiting)?;
-    d.set_item("kv_blocks_total", s.kv_blocks_total)?;
-    d.set_item("kv_blocks_used", s.kv_blocks_used)?;
-    d.set_item("kv_blocks_cached", s.kv_blocks_cached)?;
-    d.set_item(
-        "kv_usage",
-        s.kv_blocks_used as f64 / s.kv_blocks_total.max(1) as f64,
-    )?;
-    d.set_item("prefix_query_tokens", s.prefix_query_tokens)?;
-    d.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
-    d.set_item("preemptions", s.preemptions)?;
-    d.set_item("prompt_tokens", s.prompt_tokens)?;
-    d.set_item("generated_tokens", s.generated_tokens)?;
-    d.set_item("requests_finished", s.finished)?;
-    d.set_item("requests_cancelled", s.cancelled)?;
-    d.set_item("requests_refused", s.refused)?;
-    d.set_item("steps", s.steps)?;
-    d.set_item("step_tokens", s.step_tokens)?;
-    d.set_item("last_step_seconds", s.last_step_seconds)?;
-    d.set_item("step_seconds", histogram_dict(py, &s.step_seconds)?)?;
-    d.set_item("ttft_seconds", histogram_dict(py, &s.ttft_seconds)?)?;
-    d.set_item("spec_draft_tokens", s.spec_draft_tokens)?;
-    d.set_item("spec_accepted_tokens", s.spec_accepted_tokens)?;
-    d.set_item(
-        "spec_accepted_per_step",
-        histogram_dict(py, &s.spec_accepted_per_step)?,
-    )?;
-    d.set_item("stopped", s.stopped.clone())?;
-    let g = &s.graphs;
-    let graphs = PyDict::new(py);
-    graphs.set_item("graphs", g.graphs)?;
-    graphs.set_item("bytes", g.bytes)?;
-    graphs.set_item("captures", g.captures)?;
-    graphs.set_item("hits", g.hits)?;
-    graphs.set_item("evictions", g.evictions)?;
-    graphs.set_item("oom_retries", g.oom_retries)?;
-    graphs.set_item("oom_fallbacks", g.oom_fallbacks)?;
-    graphs.set_item("capture_failures", g.capture_failures)?;
-    graphs.set_item("oversize", g.oversize)?;
-    d.set_item("graphs", graphs)?;
-    d.set_item("copy_streams", s.copy_streams)?;
-    Ok(d)
 }
 
 impl PyEngine {
@@ -513,6 +360,7 @@ impl PyEngine {
 
     /// Counters as of the engine's last step: running, waiting, K/V blocks, prefix hits, tokens,
     /// preemptions, step times, TTFT. A plain dict; cheap (no round trip to the engine thread).
+    /// Its schema is `StatsSnapshot` (rust/engine/stats.rs), serialized as it is.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (s, block_bytes, memory) = {
             let engine = lock(&self.engine);
@@ -522,10 +370,8 @@ impl PyEngine {
                 engine.memory(),
             )
         };
-        let d = stats_dict(py, &s)?;
-        d.set_item("cache", cache_dict(py, &s, block_bytes)?)?;
-        d.set_item("memory", memory_dict(py, &memory)?)?;
-        Ok(d)
+        let snapshot = StatsSnapshot::new(s, block_bytes, memory);
+        Ok(pythonize::pythonize(py, &snapshot)?.cast_into::<PyDict>()?)
     }
 
     /// Makes the engine thread's next step panic as a bug would (for tests of fault handling:

@@ -62,6 +62,16 @@ fn prefix_block_hashes(
     Ok(hashes)
 }
 
+/// The Prometheus families `/metrics` reads from `Engine.stats()`: name, type, help, labels and
+/// where in the stats dict the samples are (`crate::engine::stats::metrics::table`).
+#[pyfunction]
+fn stats_metrics(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(pythonize::pythonize(
+        py,
+        &crate::engine::stats::metrics::table(),
+    )?)
+}
+
 #[pymodule]
 #[pyo3(name = "_core")]
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -80,6 +90,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_devices, m)?)?;
     m.add_function(wrap_pyfunction!(validate_messages, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(stats_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(quant::quantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -2,16 +2,18 @@
 server's own histograms (time to first token and inter-token latency as the HTTP client sees them,
 end-to-end latency) and a request counter.
 
-Names follow vLLM's where one exists (``vllm:`` becomes ``strata:``) and docs/design.md's for
-the cache (``stats()["cache"]``: bytes and blocks per tier, hits per tier, moves, gate refusals,
-corrupt disk files) and the device memory pool (``stats()["memory"]``: bytes in use by device
-and purpose). Every registry is per app, so two apps in one process never share counters.
+The engine's families are not written here: ``strata_rs._core.stats_metrics()`` is their table
+(``rust/engine/stats/metrics.rs``, next to the stats schema it reads: name, type, help text,
+labels and the key paths of their samples in the ``stats()`` dict), which the collector walks
+over one snapshot per scrape. Only ``strata:engine_up`` is the collector's own: it says whether
+there is an engine to read at all. Every registry is per app, so two apps in one process never
+share counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -22,24 +24,23 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from strata_rs._core import stats_metrics
+
+if TYPE_CHECKING:
+    from strata_rs._core import MetricSpec
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
+# /v1/cache's tiers and gates (server/app.py), in the order of stats()["cache"].
 TIERS = ("device", "host", "disk")
-# The moves the conversation cache makes: offloads down, onloads up.
-MOVES = (
-    ("device", "host"),
-    ("device", "disk"),
-    ("host", "disk"),
-    ("host", "device"),
-    ("disk", "device"),
-)
-MOVE_RESULTS = ("ok", "refused", "failed")
-# The cache's gates; "queue" (a full --max-waiting queue) is the engine's own.
 CACHE_GATES = ("ram", "host_budget", "disk_budget", "device")
+
+# Read once: the table is fixed for the extension's build.
+SPECS: list[MetricSpec] = stats_metrics()
 
 
 def _histogram(name: str, doc: str, h: Mapping[str, Any]) -> HistogramMetricFamily:
@@ -52,6 +53,55 @@ def _histogram(name: str, doc: str, h: Mapping[str, Any]) -> HistogramMetricFami
         buckets.append((repr(float(bound)), total))
     buckets.append(("+Inf", h["count"]))
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+
+
+def _get(node: Any, path: str) -> Any:
+    for key in path.split("."):
+        node = node[key]
+    return node
+
+
+def _samples(
+    node: Any, path: list[str], labels: dict[str, str], free: list[str]
+) -> Iterator[tuple[dict[str, str], float]]:
+    """The numbers at `path` below `node`, with their labels (the path syntax of
+    rust/engine/stats/metrics.rs): `*` gives each key of a dict to the next of the `free` labels,
+    `[]` / `[field=value]` each record of a list, which gives all of them by field."""
+    if not path:
+        yield labels, node
+        return
+    key, rest = path[0], path[1:]
+    if key == "*":
+        for k, child in node.items():
+            yield from _samples(child, rest, {**labels, free[0]: k}, free[1:])
+    elif key.startswith("["):
+        field, _, want = key[1:-1].partition("=")
+        for record in node:
+            if not field or record[field] == want:
+                yield from _samples(record, rest, labels | {n: record[n] for n in free}, [])
+    else:
+        yield from _samples(node[key], rest, labels, free)
+
+
+def _family(spec: MetricSpec, s: Mapping[str, Any]) -> Metric:
+    """One family of the table, read from one `stats()` snapshot."""
+    if spec["type"] == "histogram":
+        return _histogram(spec["name"], spec["help"], _get(s, spec["sources"][0]["path"]))
+    names = spec["labels"]
+    values: dict[tuple[str, ...], float] = {tuple(z): 0 for z in spec["zeros"]}
+    if spec["zeros_from"] is not None:
+        values |= {(k,): 0 for k in _get(s, spec["zeros_from"])}
+    for source in spec["sources"]:
+        fixed = dict(source["labels"])
+        free = [n for n in names if n not in fixed]
+        for labels, n in _samples(s, source["path"].split("."), fixed, free):
+            key = tuple(labels[name] for name in names)
+            values[key] = values.get(key, 0) + n
+    kind = GaugeMetricFamily if spec["type"] == "gauge" else CounterMetricFamily
+    family = kind(spec["name"], spec["help"], labels=names)
+    for key, n in values.items():
+        family.add_metric(list(key), n)
+    return family
 
 
 class EngineCollector(Collector):
@@ -75,193 +125,8 @@ class EngineCollector(Collector):
         s, _info = got
         up.add_metric([], 1 if s["stopped"] is None else 0)
         yield up
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(name, doc, value=value)
-
-        yield gauge(
-            "strata:num_requests_running", "Sequences admitted (prefill or decode)", s["running"]
-        )
-        yield gauge("strata:num_requests_waiting", "Sequences waiting for admission", s["waiting"])
-        yield gauge(
-            "strata:kv_cache_usage_perc",
-            "Fraction of K/V blocks held by sequences (0-1)",
-            s["kv_usage"],
-        )
-        yield gauge("strata:kv_blocks_total", "K/V blocks in the device pool", s["kv_blocks_total"])
-        yield gauge("strata:kv_blocks_used", "K/V blocks held by sequences", s["kv_blocks_used"])
-        yield gauge(
-            "strata:kv_blocks_cached",
-            "K/V blocks indexed in the prefix cache (held or evictable)",
-            s["kv_blocks_cached"],
-        )
-        memory = GaugeMetricFamily(
-            "strata:memory_in_use_bytes",
-            "Bytes of device memory in use, by device and purpose (weights, kv, workspace, "
-            "graphs, staging)",
-            labels=["device", "purpose"],
-        )
-        for device, pool in s["memory"].items():
-            for purpose, n in pool["in_use_bytes"].items():
-                memory.add_metric([device, purpose], n)
-        yield memory
-        graphs = s["graphs"]
-        yield gauge("strata:graph_cache_graphs", "Captured decode graphs cached", graphs["graphs"])
-        yield gauge(
-            "strata:graph_cache_bytes",
-            "Device bytes the cached decode graphs hold",
-            graphs["bytes"],
-        )
-        yield counter(
-            "strata:graph_captures",
-            "Decode graphs captured (kept or too large)",
-            graphs["captures"],
-        )
-        yield counter(
-            "strata:graph_oom_fallbacks",
-            "Decode steps run uncaptured because capturing their graph ran out of device memory",
-            graphs["oom_fallbacks"],
-        )
-        yield counter(
-            "strata:graph_capture_failures",
-            "Graph captures that failed for another reason (that batch size then runs uncaptured)",
-            graphs["capture_failures"],
-        )
-        yield gauge(
-            "strata:copy_streams",
-            "Copy streams the GPUs' cache moves have created (one per GPU, on its first move)",
-            s["copy_streams"],
-        )
-        cache = s["cache"]
-        tiers = cache["tiers"]
-        cache_bytes = GaugeMetricFamily(
-            "strata:cache_bytes", "Bytes of cached K/V per tier", labels=["tier"]
-        )
-        cache_blocks = GaugeMetricFamily(
-            "strata:cache_blocks", "Cached K/V blocks per tier", labels=["tier"]
-        )
-        for tier in TIERS:
-            cache_bytes.add_metric([tier], tiers[tier]["bytes"])
-            cache_blocks.add_metric([tier], tiers[tier]["blocks"])
-        yield cache_bytes
-        yield cache_blocks
-        yield counter(
-            "strata:prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            s["prefix_query_tokens"],
-        )
-        hits = CounterMetricFamily(
-            "strata:prefix_cache_hits",
-            "Prompt tokens whose K/V came from the cache, per tier",
-            labels=["tier"],
-        )
-        for tier in TIERS:
-            hits.add_metric([tier], cache["hit_tokens"][tier])
-        yield hits
-        # Every move the cache makes is listed from the first scrape on (at 0), so that a rate()
-        # over it never starts from a missing series.
-        blocks_moved = {(a, b, r): 0 for a, b in MOVES for r in MOVE_RESULTS}
-        bytes_moved = dict.fromkeys(MOVES, 0)
-        for m in cache["moves"]:
-            key = (m["from"], m["to"], m["result"])
-            blocks_moved[key] = blocks_moved.get(key, 0) + m["blocks"]
-            if m["result"] == "ok":
-                route = key[:2]
-                bytes_moved[route] = bytes_moved.get(route, 0) + m["bytes"]
-        moves = CounterMetricFamily(
-            "strata:cache_moves",
-            "K/V blocks moved between cache tiers, by source, destination and result",
-            labels=["from", "to", "result"],
-        )
-        for key, n in blocks_moved.items():
-            moves.add_metric(list(key), n)
-        yield moves
-        move_bytes = CounterMetricFamily(
-            "strata:cache_move_bytes",
-            "Bytes of K/V moved between cache tiers (successful moves)",
-            labels=["from", "to"],
-        )
-        for route, n in bytes_moved.items():
-            move_bytes.add_metric(list(route), n)
-        yield move_bytes
-        yield counter(
-            "strata:cache_corrupt_files",
-            "Disk tier files found bad (at the startup scan or on a read) and deleted",
-            cache["corrupt_files"],
-        )
-        injected = CounterMetricFamily(
-            "strata:cache_faults_injected",
-            "Faults injected by --cache-faults, per kind (each is also a failed or refused move)",
-            labels=["kind"],
-        )
-        for kind, n in cache["faults_injected"].items():
-            injected.add_metric([kind], n)
-        yield injected
-        yield counter(
-            "strata:prompt_tokens", "Prompt tokens of admitted requests", s["prompt_tokens"]
-        )
-        yield counter("strata:generation_tokens", "Generated tokens", s["generated_tokens"])
-        yield counter(
-            "strata:requests_finished",
-            "Requests that ended (stop or length)",
-            s["requests_finished"],
-        )
-        yield counter(
-            "strata:requests_cancelled",
-            "Requests cancelled (client gone, stream dropped)",
-            s["requests_cancelled"],
-        )
-        refusals = CounterMetricFamily(
-            "strata:admission_refusals",
-            "Refusals per gate: requests (queue) and cache moves (ram, host_budget, disk_budget, "
-            "device)",
-            labels=["gate"],
-        )
-        refusals.add_metric(["queue"], s["requests_refused"])
-        cache_refusals = dict.fromkeys(CACHE_GATES, 0) | dict(cache["refusals"])
-        for gate, n in cache_refusals.items():
-            refusals.add_metric([gate], n)
-        yield refusals
-        device_refusals = CounterMetricFamily(
-            "strata:device_refusals",
-            "Cache moves refused by one device's memory pool (its part of the staging buffer), "
-            'by device; each is also counted under admission_refusals{gate="device"}',
-            labels=["device"],
-        )
-        by_device = dict.fromkeys(s["memory"], 0) | dict(cache.get("device_refusals", {}))
-        for device, n in by_device.items():
-            device_refusals.add_metric([device], n)
-        yield device_refusals
-        yield counter(
-            "strata:num_preemptions", "Sequences preempted under K/V pressure", s["preemptions"]
-        )
-        yield counter(
-            "strata:spec_decode_draft_tokens",
-            "Draft tokens proposed by speculative decoding",
-            s["spec_draft_tokens"],
-        )
-        yield counter(
-            "strata:spec_decode_accepted_tokens",
-            "Draft tokens accepted by speculative decoding",
-            s["spec_accepted_tokens"],
-        )
-        yield _histogram(
-            "strata:spec_decode_accepted_per_step",
-            "Drafts accepted in one verification (one per drafting sequence and step)",
-            s["spec_accepted_per_step"],
-        )
-        yield counter("strata:engine_steps", "Engine steps run", s["steps"])
-        yield _histogram(
-            "strata:engine_step_seconds", "Duration of one engine step", s["step_seconds"]
-        )
-        yield _histogram(
-            "strata:engine_time_to_first_token_seconds",
-            "From the request's arrival at the engine to its first token",
-            s["ttft_seconds"],
-        )
+        for spec in SPECS:
+            yield _family(spec, s)
 
 
 class ServerMetrics:
