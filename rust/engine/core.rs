@@ -14,7 +14,7 @@ use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
 use super::runner::ModelRunner;
 use super::sampler::{splitmix, Sampler};
 use super::scheduler::{Chunk, Scheduler};
-use super::sequence::Sequence;
+use super::sequence::{Output, Sequence};
 use super::stats::EngineStats;
 use super::stop::StopStrings;
 use super::structured::{apply_mask, Constraint, Mask};
@@ -140,18 +140,9 @@ impl EngineCore {
                     self.entropy
                 }
             };
-            let seq = Sequence {
-                id: self.next_seq_id,
+            let out = Output {
                 request_id: req.id,
                 index,
-                tokens: req.prompt.clone(),
-                prompt_len: req.prompt.len(),
-                computed: 0,
-                table: Vec::new(),
-                hashes: Vec::new(),
-                registered: 0,
-                cached_tokens: 0,
-                max_len,
                 sampler: Sampler::new(p, seed, &req.prompt, vocab),
                 constraint: req.constraint.as_ref().map(Constraint::fork),
                 detok: IncrementalDecoder::new(p.skip_special_tokens),
@@ -160,18 +151,16 @@ impl EngineCore {
                 want_logprobs: p.logprobs.is_some(),
                 events: req.events.clone(),
                 cancel: req.cancel.clone(),
-                follows: (index > 0).then_some(first),
-                drafting: self
-                    .scheduler
-                    .ngram
-                    .filter(|_| p.speculative)
-                    .map(|o| DraftLength::new(o.max_drafts)),
-                drafts: Vec::new(),
-                fed: Vec::new(),
-                admissions: 0,
                 arrived: Instant::now(),
                 first_token_at: None,
             };
+            let mut seq = Sequence::new(self.next_seq_id, req.prompt.clone(), max_len, out);
+            seq.follows = (index > 0).then_some(first);
+            seq.drafting = self
+                .scheduler
+                .ngram
+                .filter(|_| p.speculative)
+                .map(|o| DraftLength::new(o.max_drafts));
             self.next_seq_id += 1;
             self.scheduler.waiting.push_back(seq);
         }
@@ -203,7 +192,7 @@ impl EngineCore {
             .schedule(&mut self.runner.kv, &mut self.cache);
         for seq in &self.scheduler.running {
             if seq.admissions > 0 {
-                if let Some(r) = self.requests.get_mut(&seq.request_id) {
+                if let Some(r) = self.requests.get_mut(&seq.out.request_id) {
                     if r.queued {
                         r.queued = false;
                         self.queued.fetch_sub(1, Ordering::Relaxed);
@@ -275,7 +264,7 @@ impl EngineCore {
         for c in plan {
             if let Some(seq) = self.scheduler.running_mut(c.seq) {
                 if seq.computed + c.len == seq.tokens.len() {
-                    if let Some(constraint) = seq.constraint.take() {
+                    if let Some(constraint) = seq.out.constraint.take() {
                         constrained.push((seq.id, constraint));
                     }
                 }
@@ -302,7 +291,7 @@ impl EngineCore {
         let mut masks = Masks::new();
         for (id, constraint, mask) in computed {
             if let Some(seq) = self.scheduler.running_mut(id) {
-                seq.constraint = Some(constraint);
+                seq.out.constraint = Some(constraint);
                 masks.insert(id, mask);
             }
         }
@@ -376,7 +365,7 @@ impl EngineCore {
                 continue;
             };
             let mut delta = Delta {
-                index: seq.index,
+                index: seq.out.index,
                 token_ids: Vec::new(),
                 text: String::new(),
                 logprobs: Vec::new(),
@@ -388,7 +377,7 @@ impl EngineCore {
             for r in 0..n_rows {
                 let row = &mut self.logits[(base + r) * vocab..(base + r + 1) * vocab];
                 let draft = seq.drafts.get(r).copied();
-                let mask = match seq.constraint.as_mut() {
+                let mask = match seq.out.constraint.as_mut() {
                     Some(c) => match masks.remove(&id).unwrap_or_else(|| c.mask()) {
                         Ok(mask) => Some(mask),
                         Err(e) => {
@@ -399,7 +388,7 @@ impl EngineCore {
                     },
                     None => None,
                 };
-                let (s, draft_taken) = seq.sampler.sample_or_accept(row, draft, |row| {
+                let (s, draft_taken) = seq.out.sampler.sample_or_accept(row, draft, |row| {
                     if let Some(mask) = &mask {
                         apply_mask(mask, row);
                     }
@@ -407,7 +396,7 @@ impl EngineCore {
                 let tok = s.token;
                 seq.tokens.push(tok);
                 emitted += 1;
-                let grammar_done = match seq.constraint.as_mut().map(|c| c.accept(tok)) {
+                let grammar_done = match seq.out.constraint.as_mut().map(|c| c.accept(tok)) {
                     Some(Ok(done)) => done,
                     Some(Err(e)) => {
                         grammar_failed(seq, e, &mut self.outbox);
@@ -416,23 +405,23 @@ impl EngineCore {
                     }
                     None => false,
                 };
-                if seq.first_token_at.is_none() {
-                    seq.first_token_at = Some(now);
-                    if seq.index == 0 {
-                        ttfts.push((now - seq.arrived).as_secs_f64());
+                if seq.out.first_token_at.is_none() {
+                    seq.out.first_token_at = Some(now);
+                    if seq.out.index == 0 {
+                        ttfts.push((now - seq.out.arrived).as_secs_f64());
                     }
                 }
                 let mut finish = None;
-                if seq.stop_ids.contains(&tok) {
+                if seq.out.stop_ids.contains(&tok) {
                     finish = Some(FinishReason::Stop);
                 } else {
                     // An id past the tokenizer's vocabulary (a padded embedding row) has no text.
                     let piece = if self.tokenizer.knows(tok) {
-                        seq.detok.push(&self.tokenizer, tok)?
+                        seq.out.detok.push(&self.tokenizer, tok)?
                     } else {
                         String::new()
                     };
-                    let (emit, stopped) = seq.stop.push(&piece);
+                    let (emit, stopped) = seq.out.stop.push(&piece);
                     delta.text.push_str(&emit);
                     if stopped {
                         finish = Some(FinishReason::Stop);
@@ -440,20 +429,20 @@ impl EngineCore {
                 }
                 // A complete grammar allows nothing more: the output ends as at a stop string.
                 if finish.is_none() && (grammar_done || seq.tokens.len() >= seq.max_len) {
-                    let rest = seq.detok.flush(&self.tokenizer)?;
-                    let (emit, stopped) = seq.stop.push(&rest);
+                    let rest = seq.out.detok.flush(&self.tokenizer)?;
+                    let (emit, stopped) = seq.out.stop.push(&rest);
                     delta.text.push_str(&emit);
                     if !stopped {
-                        delta.text.push_str(&seq.stop.flush());
+                        delta.text.push_str(&seq.out.stop.flush());
                     }
                     // Held-back text can settle a stop string only now.
-                    finish = Some(if grammar_done || seq.stop.stopped() {
+                    finish = Some(if grammar_done || seq.out.stop.stopped() {
                         FinishReason::Stop
                     } else {
                         FinishReason::Length
                     });
                 }
-                if let (true, Some(lp)) = (seq.want_logprobs, s.logprob) {
+                if let (true, Some(lp)) = (seq.out.want_logprobs, s.logprob) {
                     delta.logprobs.push(TokenLogprob {
                         token: tok,
                         logprob: lp,
@@ -485,7 +474,8 @@ impl EngineCore {
                     let Some(seq) = self.scheduler.running_mut(id) else {
                         continue;
                     };
-                    self.outbox.push((seq.events.clone(), Event::Delta(delta)));
+                    self.outbox
+                        .push((seq.out.events.clone(), Event::Delta(delta)));
                 }
             }
         }
@@ -505,16 +495,16 @@ impl EngineCore {
             return;
         };
         let mut delta = delta.unwrap_or_else(|| Delta {
-            index: seq.index,
+            index: seq.out.index,
             token_ids: Vec::new(),
             text: String::new(),
             logprobs: Vec::new(),
             finish_reason: Some(reason),
             usage: None,
         });
-        if let Some(req) = self.requests.get_mut(&seq.request_id) {
+        if let Some(req) = self.requests.get_mut(&seq.out.request_id) {
             req.completion_tokens += seq.output_len();
-            if seq.index == 0 {
+            if seq.out.index == 0 {
                 req.cached_tokens = seq.cached_tokens;
             }
             req.choices_left -= 1;
@@ -527,14 +517,14 @@ impl EngineCore {
                 if req.queued {
                     self.queued.fetch_sub(1, Ordering::Relaxed);
                 }
-                self.requests.remove(&seq.request_id);
+                self.requests.remove(&seq.out.request_id);
             }
         }
         match reason {
             FinishReason::Cancelled => self.local.cancelled += 1,
             _ => self.local.finished += 1,
         }
-        self.outbox.push((seq.events, Event::Delta(delta)));
+        self.outbox.push((seq.out.events, Event::Delta(delta)));
     }
 
     /// Sequences whose caller cancelled or stopped listening leave before the step is planned.
@@ -544,7 +534,7 @@ impl EngineCore {
             .running
             .iter()
             .chain(&self.scheduler.waiting)
-            .filter(|s| s.cancel.is_cancelled() || s.events.is_closed())
+            .filter(|s| s.out.cancel.is_cancelled() || s.out.events.is_closed())
             .map(|s| s.id)
             .collect();
         for id in gone {
@@ -565,12 +555,12 @@ impl EngineCore {
             if let Some(seq) = self.scheduler.remove(id, &mut self.runner.kv) {
                 if self
                     .requests
-                    .remove(&seq.request_id)
+                    .remove(&seq.out.request_id)
                     .is_some_and(|r| r.queued)
                 {
                     self.queued.fetch_sub(1, Ordering::Relaxed);
                 }
-                self.outbox.push((seq.events, Event::Error(err())));
+                self.outbox.push((seq.out.events, Event::Error(err())));
             }
         }
         self.publish_stats(None, &[]);
@@ -651,8 +641,8 @@ fn send_all(queue: &mut Vec<Addressed>) {
 /// A grammar that cannot go on (llguidance's limits, or a token it refuses) ends its request
 /// with the reason; the other requests carry on. The sequence leaves at the next step.
 fn grammar_failed(seq: &mut Sequence, e: StrataError, outbox: &mut Vec<Addressed>) {
-    log::warn!("request {}: {e}", seq.request_id);
+    log::warn!("request {}: {e}", seq.out.request_id);
     let why = StrataError::invalid("structured_outputs", e.to_string());
-    outbox.push((seq.events.clone(), Event::Error(why)));
-    seq.cancel.cancel();
+    outbox.push((seq.out.events.clone(), Event::Error(why)));
+    seq.out.cancel.cancel();
 }

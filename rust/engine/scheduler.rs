@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 
 use super::ngram::{best_draft_len, propose, NgramOptions, StepCosts};
-use super::sequence::Sequence;
+use super::sequence::{Output, Sequence};
 use crate::cache::ConversationCache;
 use crate::kv::blocks::BlockPool;
 use crate::kv::prefix::extend_hashes;
@@ -32,10 +32,12 @@ pub struct SchedulerCounters {
     pub prefix_hit_tokens: u64,
 }
 
-pub struct Scheduler {
-    pub waiting: VecDeque<Sequence>,
+/// Generic over the sequences' `Output`, which it never reads: the engine schedules
+/// `Sequence<Output>`, the tests here sequences without one.
+pub struct Scheduler<O = Output> {
+    pub waiting: VecDeque<Sequence<O>>,
     /// In admission order: the last one is the first to be preempted.
-    pub running: Vec<Sequence>,
+    pub running: Vec<Sequence<O>>,
     max_batch: usize,
     max_batch_tokens: usize,
     block_size: usize,
@@ -48,7 +50,7 @@ pub struct Scheduler {
     pub counters: SchedulerCounters,
 }
 
-impl Scheduler {
+impl<O> Scheduler<O> {
     pub fn new(max_batch: usize, max_batch_tokens: usize, block_size: usize, salt: u64) -> Self {
         Scheduler {
             waiting: VecDeque::new(),
@@ -67,7 +69,7 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
-    pub fn running_mut(&mut self, id: u64) -> Option<&mut Sequence> {
+    pub fn running_mut(&mut self, id: u64) -> Option<&mut Sequence<O>> {
         self.running.iter_mut().find(|s| s.id == id)
     }
 
@@ -378,7 +380,7 @@ impl Scheduler {
     }
 
     /// Removes a sequence wherever it is, releasing its blocks.
-    pub fn remove(&mut self, id: u64, kv: &mut BlockPool) -> Option<Sequence> {
+    pub fn remove(&mut self, id: u64, kv: &mut BlockPool) -> Option<Sequence<O>> {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(i);
             kv.release(&seq.table);
@@ -393,46 +395,13 @@ impl Scheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::request::{CancelFlag, SamplingParams};
-    use crate::engine::sampler::Sampler;
-    use crate::engine::stop::StopStrings;
     use crate::kv::blocks::KvDtype;
-    use crate::model::tokenizer::IncrementalDecoder;
-    use std::time::Instant;
 
     const BS: usize = 4;
 
-    fn seq(id: u64, tokens: Vec<u32>) -> Sequence {
-        let (events, _) = tokio::sync::mpsc::unbounded_channel();
-        let p = SamplingParams::default();
-        Sequence {
-            id,
-            request_id: id,
-            index: 0,
-            prompt_len: tokens.len(),
-            sampler: Sampler::new(&p, 0, &tokens, 100),
-            constraint: None,
-            tokens,
-            computed: 0,
-            table: Vec::new(),
-            hashes: Vec::new(),
-            registered: 0,
-            cached_tokens: 0,
-            max_len: 1000,
-            detok: IncrementalDecoder::new(true),
-            stop: StopStrings::new(Vec::new()),
-            stop_ids: Vec::new(),
-            want_logprobs: false,
-            events,
-            cancel: CancelFlag::default(),
-            follows: None,
-            drafting: None,
-            drafts: Vec::new(),
-            fed: Vec::new(),
-            admissions: 0,
-            arrived: Instant::now(),
-            first_token_at: None,
-        }
+    /// A sequence without an output side: the scheduler needs none.
+    fn seq(id: u64, tokens: Vec<u32>) -> Sequence<()> {
+        Sequence::new(id, tokens, 1000, ())
     }
 
     fn pool(blocks: usize) -> BlockPool {
@@ -441,7 +410,7 @@ mod tests {
 
     /// Runs a step's bookkeeping without a model: feeds the plan and "samples" token 7 for every
     /// sequence whose chunk reached its end.
-    fn fake_step(s: &mut Scheduler, kv: &mut BlockPool) -> Vec<Chunk> {
+    fn fake_step(s: &mut Scheduler<()>, kv: &mut BlockPool) -> Vec<Chunk> {
         let mut cache = ConversationCache::off(BS, kv.bytes_per_block());
         let plan = s.schedule(kv, &mut cache);
         s.commit(&plan, kv);
@@ -457,7 +426,7 @@ mod tests {
     #[test]
     fn decodes_go_first_and_prefill_is_chunked_under_the_budget() {
         let mut kv = pool(32);
-        let mut s = Scheduler::new(4, 8, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 8, BS, 1);
         s.waiting.push_back(seq(0, vec![1, 2, 3]));
         assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 3 }]);
         // Sequence 0 decodes; a 20-token prompt arrives and gets what is left of the budget.
@@ -488,7 +457,7 @@ mod tests {
     #[test]
     fn block_pressure_preempts_the_newest_and_it_resumes_from_the_cache() {
         let mut kv = pool(4);
-        let mut s = Scheduler::new(4, 64, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         s.waiting.push_back(seq(0, vec![1, 2, 3, 4, 5, 6])); // 2 blocks
         s.waiting.push_back(seq(1, vec![9, 9, 9, 9, 9])); // 2 blocks
         let plan = fake_step(&mut s, &mut kv);
@@ -520,7 +489,7 @@ mod tests {
     #[test]
     fn a_cached_prefix_is_reused_and_the_last_token_is_always_fed() {
         let mut kv = pool(16);
-        let mut s = Scheduler::new(4, 64, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         let prompt: Vec<u32> = (1..=9).collect();
         s.waiting.push_back(seq(0, prompt.clone()));
         fake_step(&mut s, &mut kv);
@@ -543,7 +512,7 @@ mod tests {
     #[test]
     fn later_choices_wait_for_the_first_ones_prompt() {
         let mut kv = pool(16);
-        let mut s = Scheduler::new(4, 4, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 4, BS, 1);
         s.waiting.push_back(seq(0, (1..=9).collect()));
         let mut second = seq(1, (1..=9).collect());
         second.follows = Some(0);
@@ -571,7 +540,7 @@ mod tests {
     ) -> (Vec<[usize; 5]>, usize, usize) {
         let mut kv = pool(32);
         let mut cache = ConversationCache::off(BS, kv.bytes_per_block());
-        let mut s = Scheduler::new(4, 64, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         let mut q = seq(0, prompt.to_vec());
         if drafting {
             s.ngram = Some(NgramOptions {
@@ -639,14 +608,14 @@ mod tests {
     #[test]
     fn admission_stops_at_max_batch_and_when_blocks_run_out() {
         let mut kv = pool(3);
-        let mut s = Scheduler::new(2, 64, BS, 1);
+        let mut s = Scheduler::<()>::new(2, 64, BS, 1);
         for i in 0..3 {
             s.waiting.push_back(seq(i, vec![i as u32 + 1; 3]));
         }
         assert_eq!(fake_step(&mut s, &mut kv).len(), 2, "max_batch");
         assert_eq!(s.waiting.len(), 1);
         let mut kv = pool(1);
-        let mut s = Scheduler::new(4, 64, BS, 1);
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         s.waiting.push_back(seq(0, vec![1; 3]));
         s.waiting.push_back(seq(1, vec![2; 3]));
         assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 0, len: 3 }]);

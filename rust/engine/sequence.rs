@@ -1,5 +1,8 @@
-//! Sequence: one choice of one request as it moves through the engine: its tokens, how many of
-//! them have K/V in the pool, its block table, its sampler and its output state.
+//! Sequence: one choice of one request as it moves through the engine. What the scheduler reads
+//! and writes (its tokens, how many of them have K/V in the pool, its block table, its drafts) is
+//! the sequence itself; what turns its tokens into a response (sampler, grammar, detokenizer,
+//! stop strings, the stream it answers on) is its `Output`, which the scheduler never touches:
+//! it is generic over it, so its tests run sequences without any.
 
 use std::time::Instant;
 
@@ -11,12 +14,9 @@ use super::structured::Constraint;
 use crate::model::tokenizer::IncrementalDecoder;
 use tokio::sync::mpsc::UnboundedSender;
 
-pub struct Sequence {
+pub struct Sequence<O = Output> {
     /// Engine-wide id of this sequence.
     pub id: u64,
-    /// The request it belongs to, and which of its `n` choices it is.
-    pub request_id: u64,
-    pub index: usize,
     /// Prompt followed by every token generated so far.
     pub tokens: Vec<u32>,
     pub prompt_len: usize,
@@ -32,16 +32,6 @@ pub struct Sequence {
     pub cached_tokens: usize,
     /// Most tokens this sequence may hold (prompt + output): `max_tokens` or the context.
     pub max_len: usize,
-    pub sampler: Sampler,
-    /// The grammar the output follows, if the request set one.
-    pub constraint: Option<Constraint>,
-    pub detok: IncrementalDecoder,
-    pub stop: StopStrings,
-    /// Token ids that end the choice: EOS (unless ignored) and `stop_token_ids`.
-    pub stop_ids: Vec<u32>,
-    pub want_logprobs: bool,
-    pub events: UnboundedSender<Event>,
-    pub cancel: CancelFlag,
     /// For choice i > 0 of a request: the first choice's sequence, whose prompt blocks it waits
     /// for so that it shares them instead of computing them again.
     pub follows: Option<u64>,
@@ -54,11 +44,52 @@ pub struct Sequence {
     pub fed: Vec<u32>,
     /// Times admitted (more than once after a preemption).
     pub admissions: u32,
+    /// What makes its response; the scheduler never reads it.
+    pub out: O,
+}
+
+/// A sequence's response side: how its next token is picked, and how its tokens become the
+/// deltas of its stream.
+pub struct Output {
+    /// The request it belongs to, and which of its `n` choices it is.
+    pub request_id: u64,
+    pub index: usize,
+    pub sampler: Sampler,
+    /// The grammar the output follows, if the request set one.
+    pub constraint: Option<Constraint>,
+    pub detok: IncrementalDecoder,
+    pub stop: StopStrings,
+    /// Token ids that end the choice: EOS (unless ignored) and `stop_token_ids`.
+    pub stop_ids: Vec<u32>,
+    pub want_logprobs: bool,
+    pub events: UnboundedSender<Event>,
+    pub cancel: CancelFlag,
     pub arrived: Instant,
     pub first_token_at: Option<Instant>,
 }
 
-impl Sequence {
+impl<O> Sequence<O> {
+    /// A sequence not yet admitted: no K/V, no blocks, no drafts.
+    pub fn new(id: u64, prompt: Vec<u32>, max_len: usize, out: O) -> Sequence<O> {
+        Sequence {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            table: Vec::new(),
+            hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
+            max_len,
+            follows: None,
+            drafting: None,
+            drafts: Vec::new(),
+            fed: Vec::new(),
+            admissions: 0,
+            out,
+        }
+    }
+
     /// Tokens not yet fed to the model.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
