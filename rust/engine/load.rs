@@ -76,7 +76,7 @@ struct Sizing {
     kv_blocks: usize,
     max_batch_tokens: usize,
     max_batch: usize,
-    salt: u64,
+    /// Also the prefix hash chains' salt (`layout.salt`).
     layout: BlockLayout,
 }
 
@@ -311,7 +311,6 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         kv_blocks,
         max_batch_tokens,
         max_batch,
-        salt,
         layout,
     })
 }
@@ -372,9 +371,9 @@ fn build_and_spawn(
         kv_blocks,
         max_batch_tokens,
         max_batch,
-        salt,
         ..
     } = sizing;
+    let salt = sizing.layout.salt;
     let (threads, ngram, devices) = (setup.threads, setup.ngram, setup.devices);
     let config = model.config.clone();
     let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
