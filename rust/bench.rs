@@ -8,6 +8,7 @@ use rayon::prelude::*;
 use crate::engine::runner::ModelRunner;
 use crate::error::Result;
 use crate::model::forward::{LogitsWanted, SeqChunk};
+use crate::rng::Rng;
 
 #[derive(Clone, Debug)]
 pub struct BenchSpec {
@@ -34,15 +35,9 @@ pub struct BenchReport {
 }
 
 /// Deterministic token ids in the model's vocabulary.
-fn token_ids(n: usize, vocab: usize, mut seed: u64) -> Vec<u32> {
-    (0..n)
-        .map(|_| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed % vocab as u64) as u32
-        })
-        .collect()
+fn token_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng(seed);
+    (0..n).map(|_| rng.below(vocab) as u32).collect()
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {

@@ -6,6 +6,7 @@
 //! - `kv`: the paged K/V block pool.
 //! - `cache`: the conversation cache below the device: host tier, disk tier, moves.
 //! - `engine`: the engine thread and its request channel.
+//! - `rng`: deterministic pseudo-random numbers for tests, benches and fault injection.
 //! - `bench`: the timing harness behind `strata-rs bench` and the criterion benches.
 //! - `python` (feature "python"): the PyO3 binding layer, one file per exposed type.
 
@@ -16,6 +17,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod model;
+pub mod rng;
 pub mod sync;
 
 #[cfg(feature = "python")]

@@ -10,6 +10,7 @@
 //! if the memory telemetry could not be read).
 
 use crate::error::{Result, StrataError};
+use crate::rng::Rng;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FaultKind {
@@ -45,13 +46,24 @@ enum When {
     Always,
 }
 
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Faults {
     rules: Vec<(FaultKind, When)>,
     /// Operations seen so far, per kind.
     seen: [u64; KINDS.len()],
     /// xorshift64 state for `P%` rules; fixed seed, so a spec fails the same operations each run.
-    rng: u64,
+    rng: Rng,
+}
+
+/// No rules: nothing fails.
+impl Default for Faults {
+    fn default() -> Self {
+        Faults {
+            rules: Vec::new(),
+            seen: [0; KINDS.len()],
+            rng: Rng(SEED),
+        }
+    }
 }
 
 const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -101,7 +113,7 @@ impl Faults {
         Ok(Faults {
             rules,
             seen: [0; KINDS.len()],
-            rng: SEED,
+            rng: Rng(SEED),
         })
     }
 
@@ -126,12 +138,7 @@ impl Faults {
                 When::Always => true,
                 When::Nth(m) => m == n,
                 When::Range(a, b) => (a..=b).contains(&n),
-                When::Chance(millionths) => {
-                    self.rng ^= self.rng << 13;
-                    self.rng ^= self.rng >> 7;
-                    self.rng ^= self.rng << 17;
-                    self.rng % 1_000_000 < millionths
-                }
+                When::Chance(millionths) => self.rng.next_u() % 1_000_000 < millionths,
             };
         }
         fail

@@ -8,6 +8,7 @@ use half::{bf16, f16};
 use serde_json::json;
 
 use crate::model::weights::DType;
+use crate::rng::Rng;
 
 /// The shape of a Llama-family model to write.
 #[derive(Clone, Debug)]
@@ -158,7 +159,7 @@ impl TestModel {
 
     /// Every tensor with its random values (the same for a given seed).
     pub fn weights(&self) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let mut rng = self.seed.max(1);
+        let mut rng = Rng(self.seed.max(1));
         let tensors: Vec<(String, Vec<usize>, Vec<f32>)> = self
             .tensors()
             .into_iter()
@@ -171,7 +172,7 @@ impl TestModel {
                     0.0
                 };
                 let data = (0..n)
-                    .map(|_| center + 0.0866 * (uniform(&mut rng) * 2.0 - 1.0))
+                    .map(|_| center + 0.0866 * (rng.unit() * 2.0 - 1.0))
                     .collect();
                 (name, shape, data)
             })
@@ -338,13 +339,6 @@ impl GgufWriter {
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         std::fs::write(path, self.bytes())
     }
-}
-
-fn uniform(state: &mut u64) -> f32 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    (*state >> 40) as f32 / (1u64 << 24) as f32
 }
 
 /// A minimal safetensors writer: header JSON padded to 8 bytes, then the data in order.

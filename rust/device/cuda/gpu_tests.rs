@@ -59,7 +59,7 @@ fn rmsnorm_matches_the_cpu() {
     let mut rng = Rng(5);
     for &(rows, d) in &[(1usize, 576usize), (3, 67), (5, 1), (300, 64), (7, 4096)] {
         let x = rng.scaled(rows * d, 4.0);
-        let w: Vec<f32> = (0..d).map(|_| rng.next() + 1.0).collect();
+        let w: Vec<f32> = (0..d).map(|_| rng.signed() + 1.0).collect();
         let mut want = vec![0.0; rows * d];
         rmsnorm::rmsnorm(&x, &w, 1e-6, &mut want);
         let (dx, dw) = (upload(&gpu, &x), upload(&gpu, &w));
@@ -856,7 +856,7 @@ fn add_bias_and_rmsnorm_rows_match_the_cpu() {
         .expect("add_bias launches");
     assert_same_bits("add_bias", &download(&gpu, &dy), &want);
 
-    let w: Vec<f32> = (0..cols).map(|_| rng.next() + 1.0).collect();
+    let w: Vec<f32> = (0..cols).map(|_| rng.signed() + 1.0).collect();
     let index = [6u32, 0, 3, 3, 99];
     let mut want = vec![0.0; (index.len() - 1) * cols];
     for (r, &i) in index[..index.len() - 1].iter().enumerate() {

@@ -86,9 +86,9 @@ mod tests {
 
     fn inputs() -> (Vec<f32>, Vec<f32>) {
         let mut rng = Rng(5);
-        let mut g: Vec<f32> = (0..70_001).map(|_| rng.next() * 12.0).collect();
+        let mut g: Vec<f32> = (0..70_001).map(|_| rng.signed() * 12.0).collect();
         g.extend([0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 200.0, -200.0]);
-        let u: Vec<f32> = (0..g.len()).map(|_| rng.next() * 3.0).collect();
+        let u: Vec<f32> = (0..g.len()).map(|_| rng.signed() * 3.0).collect();
         (g, u)
     }
 

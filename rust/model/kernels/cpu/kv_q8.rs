@@ -215,8 +215,8 @@ mod tests {
             for slot in 0..blocks * bs {
                 // Magnitudes from 1e-3 to 1e3 by row, one outlier per row.
                 let m = 10f32.powi((slot % 7) as i32 - 3);
-                let mut kr: Vec<f32> = (0..kvh * hd).map(|_| rng.next() * m).collect();
-                let vr: Vec<f32> = (0..kvh * hd).map(|_| rng.next() * m).collect();
+                let mut kr: Vec<f32> = (0..kvh * hd).map(|_| rng.signed() * m).collect();
+                let vr: Vec<f32> = (0..kvh * hd).map(|_| rng.signed() * m).collect();
                 kr[slot % (kvh * hd)] = 5.0 * m;
                 write_k(&mut k, slot, &kr, bs, kvh, hd);
                 write_v(&mut v, slot, &vr, kvh, hd);

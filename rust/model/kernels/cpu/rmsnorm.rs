@@ -102,8 +102,8 @@ mod tests {
         let mut rng = Rng(5);
         // Odd widths, and enough rows to take the parallel path.
         for &(rows, d) in &[(1usize, 576usize), (3, 67), (5, 1), (2000, 64), (7, 128)] {
-            let x: Vec<f32> = (0..rows * d).map(|_| rng.next() * 4.0).collect();
-            let w: Vec<f32> = (0..d).map(|_| rng.next() + 1.0).collect();
+            let x: Vec<f32> = (0..rows * d).map(|_| rng.signed() * 4.0).collect();
+            let w: Vec<f32> = (0..d).map(|_| rng.signed() + 1.0).collect();
             let mut want = vec![0.0; rows * d];
             reference(&x, &w, 1e-6, &mut want);
             let mut got = vec![f32::NAN; rows * d];

@@ -487,7 +487,7 @@ mod tests {
                 );
                 // Includes positions past original_max_position_embeddings (64).
                 for &pos in &[0usize, 1, 17, 63, 64, 65, 200, 299] {
-                    let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.next()).collect();
+                    let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.signed()).collect();
                     let mut got = x.clone();
                     let mut want = x.clone();
                     table.apply(&mut got, n_heads, pos);
@@ -547,7 +547,7 @@ mod tests {
             .expect("table")
             .with_pairing(RopePairing::Adjacent);
         let mut rng = Rng(5);
-        let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.next()).collect();
+        let x: Vec<f32> = (0..n_heads * head_dim).map(|_| rng.signed()).collect();
         let permute = |v: &[f32]| -> Vec<f32> {
             let mut p = vec![0.0; v.len()];
             for h in 0..n_heads {

@@ -177,8 +177,8 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     fn exp_inputs(lanes: usize) -> Vec<f32> {
         let mut rng = Rng(17);
-        let mut xs: Vec<f32> = (0..100_000).map(|_| rng.next() * 200.0).collect();
-        xs.extend((0..20_000).map(|_| rng.next() * 1e-3));
+        let mut xs: Vec<f32> = (0..100_000).map(|_| rng.signed() * 200.0).collect();
+        xs.extend((0..20_000).map(|_| rng.signed() * 1e-3));
         xs.extend([
             0.0,
             -0.0,
@@ -248,8 +248,8 @@ mod tests {
         let mut rng = Rng(9);
         // Odd lengths, and one long enough to take the parallel path.
         for &len in &[1usize, 15, 17, 1000, 3 * PAR_CHUNK + 5] {
-            let gate: Vec<f32> = (0..len).map(|_| rng.next() * 30.0).collect();
-            let up: Vec<f32> = (0..len).map(|_| rng.next() * 3.0).collect();
+            let gate: Vec<f32> = (0..len).map(|_| rng.signed() * 30.0).collect();
+            let up: Vec<f32> = (0..len).map(|_| rng.signed() * 3.0).collect();
             let mut got = gate.clone();
             let mut want = gate.clone();
             let mut portable = gate.clone();

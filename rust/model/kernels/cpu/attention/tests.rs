@@ -163,8 +163,8 @@ fn run_dt(
         tables.extend_from_slice(&ids[st..st + b]);
     }
     let n = num_blocks * bs * kv_heads * head_dim;
-    let k: Vec<f32> = (0..n).map(|_| rng.next() * 2.0).collect();
-    let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+    let k: Vec<f32> = (0..n).map(|_| rng.signed() * 2.0).collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.signed()).collect();
     let stored = Stored::new(k, v, bs, kv_heads, head_dim);
     let kv = stored.layer(dt);
     let rows: Vec<AttnRow> = queries
@@ -176,7 +176,7 @@ fn run_dt(
         })
         .collect();
     let q: Vec<f32> = (0..rows.len() * n_heads * head_dim)
-        .map(|_| rng.next() * 2.0)
+        .map(|_| rng.signed() * 2.0)
         .collect();
     let scale = 1.0 / (head_dim as f32).sqrt();
     let mut want = vec![0.0; q.len()];
@@ -410,8 +410,8 @@ fn q8_0_attention_is_the_attention_of_its_dequantized_values() {
             tables.swap(i, j);
         }
         let n = num_blocks * bs * kvh * hd;
-        let k: Vec<f32> = (0..n).map(|_| rng.next() * 3.0).collect();
-        let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+        let k: Vec<f32> = (0..n).map(|_| rng.signed() * 3.0).collect();
+        let v: Vec<f32> = (0..n).map(|_| rng.signed()).collect();
         let stored = Stored::new(k, v, bs, kvh, hd);
         let q8 = stored.layer(Dt::Q8_0);
         let (dk, dv) = dequantized(&q8);
@@ -435,7 +435,7 @@ fn q8_0_attention_is_the_attention_of_its_dequantized_values() {
             start += table_len;
         }
         let q: Vec<f32> = (0..rows.len() * n_heads * hd)
-            .map(|_| rng.next() * 2.0)
+            .map(|_| rng.signed() * 2.0)
             .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let attend = |kv: &KvLayer, isa: Isa, split: Split, threads: usize| {
@@ -598,10 +598,10 @@ fn in_place_rows_equal_the_portable_build() {
         // The blocks in reverse: the table is not the identity.
         let tables: Vec<u32> = (0..blocks as u32).rev().collect();
         let n = blocks * bs * kvh * hd;
-        let k: Vec<f32> = (0..n).map(|_| rng.next() * 2.0).collect();
-        let v: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+        let k: Vec<f32> = (0..n).map(|_| rng.signed() * 2.0).collect();
+        let v: Vec<f32> = (0..n).map(|_| rng.signed()).collect();
         let stored = Stored::new(k, v, bs, kvh, hd);
-        let q: Vec<f32> = (0..n_heads * hd).map(|_| rng.next() * 2.0).collect();
+        let q: Vec<f32> = (0..n_heads * hd).map(|_| rng.signed() * 2.0).collect();
         // A position inside a tile, so the last tile has invisible lanes.
         let rows = [AttnRow {
             pos: (len - 6) as u32,
@@ -670,8 +670,8 @@ fn batch_invariance(
         st += b;
     }
     let len = num_blocks * bs * kvh * hd;
-    let k: Vec<f32> = (0..len).map(|_| rng.next() * 2.0).collect();
-    let v: Vec<f32> = (0..len).map(|_| rng.next()).collect();
+    let k: Vec<f32> = (0..len).map(|_| rng.signed() * 2.0).collect();
+    let v: Vec<f32> = (0..len).map(|_| rng.signed()).collect();
     let stored = Stored::new(k, v, bs, kvh, hd);
     let row = |sq: usize, pos: usize| AttnRow {
         pos: pos as u32,
@@ -681,7 +681,7 @@ fn batch_invariance(
     // Queries are drawn per (sequence, position): a row brings the same q into any batch.
     let qrow = |sq: usize, pos: usize| -> Vec<f32> {
         let mut r = Rng(1000 * sq as u64 + pos as u64 + 1);
-        (0..n_heads * hd).map(|_| r.next() * 2.0).collect()
+        (0..n_heads * hd).map(|_| r.signed() * 2.0).collect()
     };
     let pools = thread_pools(&[1, 2, 3]);
     let scale = 1.0 / (hd as f32).sqrt();

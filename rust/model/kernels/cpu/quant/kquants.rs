@@ -451,7 +451,7 @@ mod tests {
             for scale in [1.0f32, 1e-3, 50.0] {
                 // Sums of uniforms: roughly Gaussian, with occasional larger values.
                 let x: Vec<f32> = (0..256 * 16)
-                    .map(|_| (rng.next() + rng.next() + rng.next()) * scale)
+                    .map(|_| (rng.signed() + rng.signed() + rng.signed()) * scale)
                     .collect();
                 let rel = super::super::round_trip_rel_rms(ty, &x);
                 assert!(rel < bound, "{ty:?} x{scale}: relative RMS error {rel}");

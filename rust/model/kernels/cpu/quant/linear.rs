@@ -511,7 +511,7 @@ mod tests {
         let mut data = vec![0u8; m * rb];
         for r in 0..m {
             let x: Vec<f32> = (0..k)
-                .map(|_| (rng.next() + rng.next() + rng.next()) * 0.1)
+                .map(|_| (rng.signed() + rng.signed() + rng.signed()) * 0.1)
                 .collect();
             quantize_row(ty, &x, &mut data[r * rb..(r + 1) * rb]);
         }
