@@ -11,6 +11,12 @@
 //! one reading serve admissions for up to a second and up to 64 MiB, each counted against it; a
 //! refusal is always decided on a fresh reading. What others allocate within that second is what the floor
 //! (`host_min_free_mib`, 1 GiB by default) is there for; 64 MiB is a small part of it.
+//!
+//! Off Linux: on macOS `available` is what the Mach VM statistics (`host_statistics64`) count as
+//! free (less the speculative pages) plus inactive, psutil's `virtual_memory().available` there;
+//! macOS has no cgroups. Any other system has no source the gate knows: it refuses every
+//! admission (the host tier then stays empty and evicted blocks go to disk, as when the
+//! telemetry cannot be read on Linux) and says so once, when the system gate is made.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -95,10 +101,29 @@ const SYSTEM_SAMPLE_TTL: Duration = Duration::from_secs(1);
 /// How much one reading may admit before the gate reads again.
 const SAMPLE_MAX_ADMITTED: u64 = 64 * MIB;
 
+/// Where the gate reads the memory the system has available.
+#[derive(Debug)]
+enum Source {
+    /// `MemAvailable` from a /proc/meminfo-format file (Linux; on any system in tests).
+    Meminfo(PathBuf),
+    /// The Mach VM statistics.
+    #[cfg(target_os = "macos")]
+    Mach,
+    /// No source on this system: every admission refuses with [`UNSUPPORTED`].
+    #[cfg(any(test, not(any(target_os = "linux", target_os = "macos"))))]
+    Unsupported,
+}
+
+/// The refusal reason on a system with no memory telemetry the gate can read.
+#[cfg(any(test, not(any(target_os = "linux", target_os = "macos"))))]
+const UNSUPPORTED: &str =
+    "no memory telemetry on this system (the RAM gate reads Linux's /proc/meminfo and macOS's \
+     Mach VM statistics)";
+
 /// Decides whether the cache may take host memory.
 #[derive(Debug)]
 pub struct RamGate {
-    meminfo: PathBuf,
+    source: Source,
     cgroup: CgroupMemory,
     floor: u64,
     sample_ttl: Duration,
@@ -148,18 +173,34 @@ fn mib(bytes: u64) -> String {
 }
 
 impl RamGate {
-    /// /proc/meminfo and the process's cgroup (detect("/proc/self/cgroup", "/sys/fs/cgroup")).
+    /// This system's gate. Linux: /proc/meminfo and the process's cgroup
+    /// (detect("/proc/self/cgroup", "/sys/fs/cgroup")). macOS: the Mach VM statistics. Elsewhere:
+    /// a gate that refuses everything, with a warning logged here.
     pub fn system(floor_bytes: u64) -> RamGate {
-        let cgroup =
-            CgroupMemory::detect(Path::new("/proc/self/cgroup"), Path::new("/sys/fs/cgroup"));
-        RamGate::with_paths(PathBuf::from("/proc/meminfo"), cgroup, floor_bytes)
-            .with_sample_ttl(SYSTEM_SAMPLE_TTL)
+        #[cfg(target_os = "linux")]
+        let gate = {
+            let cgroup =
+                CgroupMemory::detect(Path::new("/proc/self/cgroup"), Path::new("/sys/fs/cgroup"));
+            RamGate::with_paths(PathBuf::from("/proc/meminfo"), cgroup, floor_bytes)
+        };
+        #[cfg(target_os = "macos")]
+        let gate = RamGate::with_source(Source::Mach, CgroupMemory::None, floor_bytes);
+        #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+        let gate = {
+            log::warn!("{UNSUPPORTED}: the conversation cache's host RAM tier stays off");
+            RamGate::with_source(Source::Unsupported, CgroupMemory::None, floor_bytes)
+        };
+        gate.with_sample_ttl(SYSTEM_SAMPLE_TTL)
     }
 
     /// A gate on these files that reads them at every admission (no reuse of a reading).
     pub fn with_paths(meminfo: PathBuf, cgroup: CgroupMemory, floor_bytes: u64) -> RamGate {
+        RamGate::with_source(Source::Meminfo(meminfo), cgroup, floor_bytes)
+    }
+
+    fn with_source(source: Source, cgroup: CgroupMemory, floor_bytes: u64) -> RamGate {
         RamGate {
-            meminfo,
+            source,
             cgroup,
             floor: floor_bytes,
             sample_ttl: Duration::ZERO,
@@ -180,7 +221,13 @@ impl RamGate {
 
     /// Bytes the cache may count on: min(MemAvailable, cgroup room); Err(reason) when unknown.
     pub fn available(&self) -> Result<u64, String> {
-        let mem_available = read_mem_available(&self.meminfo)?;
+        let mem_available = match &self.source {
+            Source::Meminfo(path) => read_mem_available(path)?,
+            #[cfg(target_os = "macos")]
+            Source::Mach => mach_available()?,
+            #[cfg(any(test, not(any(target_os = "linux", target_os = "macos"))))]
+            Source::Unsupported => return Err(UNSUPPORTED.to_string()),
+        };
         let room = match &self.cgroup {
             CgroupMemory::None => None,
             CgroupMemory::V2(dir) => {
@@ -310,6 +357,55 @@ fn read_mem_available(path: &Path) -> Result<u64, String> {
         (None, None) => Ok(value),
         _ => Err(bad()),
     }
+}
+
+/// What the Mach VM statistics count as available, in bytes.
+#[cfg(target_os = "macos")]
+fn mach_available() -> Result<u64, String> {
+    use std::sync::OnceLock;
+    // One send right to the host port for the process's life (each mach_host_self call adds a
+    // reference to it).
+    static HOST: OnceLock<libc::mach_port_t> = OnceLock::new();
+    // SAFETY: no arguments; returns the host port's name.
+    #[allow(deprecated)] // libc points to the mach2 crate; this one call does not need it
+    let host = *HOST.get_or_init(|| unsafe { libc::mach_host_self() });
+    // SAFETY: plain integers; host_statistics64 fills at most `count` of its 32-bit words.
+    let mut stats: libc::vm_statistics64 = unsafe { std::mem::zeroed() };
+    let mut count = libc::HOST_VM_INFO64_COUNT;
+    // SAFETY: `stats` holds `count` words; both pointers are valid for the call.
+    let kr = unsafe {
+        libc::host_statistics64(
+            host,
+            libc::HOST_VM_INFO64,
+            (&raw mut stats).cast(),
+            &mut count,
+        )
+    };
+    if kr != libc::KERN_SUCCESS {
+        return Err(format!("host_statistics64 failed (kern_return_t {kr})"));
+    }
+    // SAFETY: sysconf has no memory arguments.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = u64::try_from(page)
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| format!("sysconf(_SC_PAGESIZE) gave {page}"))?;
+    // Copies, not references: the struct is packed.
+    let (free, speculative, inactive) = (
+        stats.free_count,
+        stats.speculative_count,
+        stats.inactive_count,
+    );
+    Ok(mach_available_bytes(free, speculative, inactive, page))
+}
+
+/// macOS's available memory from its VM page counts, as psutil computes `available` there:
+/// free pages less the speculative ones (the kernel counts speculative read-ahead pages in
+/// `free_count`; `vm_stat` subtracts them too) plus inactive pages, times the page size.
+#[cfg(any(test, target_os = "macos"))]
+fn mach_available_bytes(free: u32, speculative: u32, inactive: u32, page: u64) -> u64 {
+    let pages = u64::from(free.saturating_sub(speculative)) + u64::from(inactive);
+    pages.saturating_mul(page)
 }
 
 #[cfg(test)]
@@ -713,6 +809,31 @@ mod tests {
         );
     }
 
+    #[test]
+    fn mach_page_counts_give_free_less_speculative_plus_inactive() {
+        // 16 KiB pages (Apple silicon): (1000 - 200 + 300) pages.
+        assert_eq!(mach_available_bytes(1000, 200, 300, 16384), 1100 * 16384);
+        // More speculative than free (counts sampled apart): no underflow.
+        assert_eq!(mach_available_bytes(10, 20, 5, 4096), 5 * 4096);
+        assert_eq!(
+            mach_available_bytes(u32::MAX, 0, u32::MAX, u64::MAX),
+            u64::MAX
+        );
+    }
+
+    #[test]
+    fn a_system_without_telemetry_refuses_everything() {
+        let gate = RamGate::with_source(Source::Unsupported, CgroupMemory::None, 0);
+        assert_eq!(gate.available(), Err(UNSUPPORTED.to_string()));
+        let err = gate.admit(0).unwrap_err();
+        assert_eq!(err.available, None);
+        assert_eq!(
+            err.to_string(),
+            format!("RAM gate, memory telemetry unknown: {UNSUPPORTED}")
+        );
+    }
+
+    #[cfg(any(target_os = "linux", target_os = "macos"))]
     #[test]
     fn system_gate_reads_this_machine() {
         let available = RamGate::system(0).available();

@@ -227,6 +227,7 @@ fn as_bytes_mut<T: ZeroBits>(s: &mut [T]) -> &mut [u8] {
 }
 
 /// Bytes below which a copy is not worth streaming.
+#[cfg(target_arch = "x86_64")]
 const STREAM_MIN: usize = 1024;
 
 /// `dst.copy_from_slice(src)` with non-temporal stores on x86-64: a restore writes blocks the

@@ -8,14 +8,15 @@
 //! that chain).
 //!
 //! Now the event loop's thread polls the channels itself. Each loop has one dispatcher, with a
-//! `Doorbell` (an eventfd, `rust/engine/doorbell.rs`) that the loop watches (`add_reader`) and
-//! that tokio's channels ring, as their waker, when the engine sends. When it fires, `drain`
-//! polls every waiting stream and settles their futures, holding the GIL it already has. No Rust
-//! thread ever attaches to Python on this path, so it cannot touch an exiting interpreter.
+//! `Doorbell` (an eventfd; a pipe off Linux, `rust/engine/doorbell.rs`) that the loop watches
+//! (`add_reader`) and that tokio's channels ring, as their waker, when the engine sends. When it
+//! fires, `drain` polls every waiting stream and settles their futures, holding the GIL it
+//! already has. No Rust thread ever attaches to Python on this path, so it cannot touch an
+//! exiting interpreter.
 //!
 //! Nothing here is asyncio's own: the loop is whatever `awaitable::current_loop` returns, and
 //! only its `create_future` and `add_reader` are called. On trio, `add_reader` starts a system
-//! task that waits for the eventfd (`trio.lowlevel.wait_readable`) and calls `drain`
+//! task that waits for its descriptor (`trio.lowlevel.wait_readable`) and calls `drain`
 //! (`strata_rs._async._trio`): the same single wake-up per ring, on the run's own thread.
 //!
 //! On trio a chunk has no future: `__anext__` returns a [`TrioNext`], an awaitable that parks
@@ -560,7 +561,7 @@ pub fn dispatcher_for<'py>(event_loop: &Bound<'py, PyAny>) -> PyResult<Bound<'py
     }
     let trio = TrioHooks::from_loop(event_loop)?;
     let dispatcher = LoopDispatcher::new(trio)
-        .map_err(|e| PyOSError::new_err(format!("cannot create a stream wake-up eventfd: {e}")))?;
+        .map_err(|e| PyOSError::new_err(format!("cannot create a stream wake-up doorbell: {e}")))?;
     let fd = dispatcher.doorbell.fd();
     let trio_run = dispatcher.trio_run;
     let dispatcher = Bound::new(py, dispatcher)?;

@@ -79,6 +79,7 @@ pub struct Bf16Out<'w, 'y> {
 const GROUP_MAX: usize = 4;
 
 /// Tokens per tile, rows per tile.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const T_MAX: usize = 6;
 const R_MAX: usize = 4;
 
@@ -196,7 +197,7 @@ fn run_products(outs: &mut [Bf16Out], t0: usize, n: usize, k: usize, xb: &[u16])
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (w, r1, out);
+        let _ = (w, r1, out, n, xb);
     };
     let tasks = first_task[products];
     if tasks == 1 {
@@ -208,6 +209,7 @@ fn run_products(outs: &mut [Bf16Out], t0: usize, n: usize, k: usize, xb: &[u16])
 
 /// Where results go: output row `r` of token `t` is `y[t*m + r]`, plus `bias[r]`.
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 struct Out<'a> {
     y: *mut f32,
     m: usize,

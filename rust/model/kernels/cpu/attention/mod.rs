@@ -611,8 +611,9 @@ fn finish(acc: &mut [f32], state: &State, group: usize, hd: usize) {
     }
 }
 
-/// A K/V element format, widened to f32 exactly.
+/// A K/V element format, widened to f32 exactly (read by the x86-64 kernels only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 enum ElemKind {
     F32,
     F16,
@@ -621,6 +622,7 @@ enum ElemKind {
 
 /// A K/V element type.
 trait KvElem: Copy + Send + Sync {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const KIND: ElemKind;
     fn to_f32(self) -> f32;
 }
@@ -1092,6 +1094,9 @@ fn segment_pass<W: Widen, S: KvSource>(
     qt: Option<&[f32]>,
 ) {
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
+    // Only the x86-64 kernels read the transposed queries.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = qt;
     // One row (two or more take the lanes path with `qt`) reads its tiles in place where the
     // ISA has a kernel for it and the tiles lie in single blocks.
     #[cfg(target_arch = "x86_64")]

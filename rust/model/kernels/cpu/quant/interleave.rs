@@ -77,6 +77,8 @@ pub fn has_layout(ty: QuantType) -> bool {
 /// by its row-major kernel). Any other would read the layout block by block, rebuilt, slower
 /// than ggml's.
 pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ty;
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => has_layout(ty),
