@@ -434,6 +434,9 @@ class EngineStatsDict(TypedDict):
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_cached: int
+    kv_window_slots_total: int
+    kv_window_slots_used: int
+    kv_window_slots_passed: int
     kv_usage: float
     prefix_query_tokens: int
     prefix_hit_tokens: int

@@ -575,6 +575,11 @@ impl EngineCore {
         st.kv_blocks_total = kv.num_blocks();
         st.kv_blocks_used = kv.num_used();
         st.kv_blocks_cached = kv.num_cached();
+        (
+            st.kv_window_slots_total,
+            st.kv_window_slots_used,
+            st.kv_window_slots_passed,
+        ) = kv.window_slots().unwrap_or_default();
         let c = self.scheduler.counters;
         st.preemptions = c.preemptions;
         st.prefix_query_tokens = c.prefix_query_tokens;

@@ -26,6 +26,7 @@ use crate::device::memory_pool::MemoryPool;
 use crate::device::{self, split, Device};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
+use crate::kv::window::WindowLayout;
 use crate::model::config::ModelConfig;
 use crate::model::kernels::cpu::matmul_bf16dot;
 use crate::model::kernels::cpu::quant::QuantType;
@@ -74,6 +75,8 @@ struct Sizing {
     /// Bytes of one block's K/V on each device.
     part_bytes: Vec<usize>,
     kv_blocks: usize,
+    /// The sliding layers' window slots (CPU pools of windowed models).
+    kv_window: Option<WindowLayout>,
     max_batch_tokens: usize,
     max_batch: usize,
     /// Also the prefix hash chains' salt (`layout.salt`).
@@ -279,6 +282,15 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
             sizing.blocks_that_fit(&loaded.model, wanted, max_context)?
         }
     };
+    #[cfg(feature = "cuda")]
+    let on_gpus = setup.gpus.is_some();
+    #[cfg(not(feature = "cuda"))]
+    let on_gpus = false;
+    let (kv_blocks, kv_window) = match on_gpus {
+        // The CUDA runner's tables address every layer by block: its pool keeps every position.
+        true => (kv_blocks, None),
+        false => window_slots(opts, &loaded.model.config, kv_blocks, block_bytes),
+    };
     // One sequence must fit in the pool, else no request of max_context could ever run.
     let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
     loaded.model.set_max_positions(max_context)?;
@@ -293,6 +305,7 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         setup.quantize,
         loaded.model.bf16_dot,
         max_context,
+        kv_window.is_some(),
     );
     let layout = BlockLayout {
         salt,
@@ -301,7 +314,9 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         num_layers: config.num_layers as u32,
         kv_heads: config.num_kv_heads as u32,
         head_dim: config.head_dim as u32,
-        block_bytes: block_bytes as u64,
+        // With window slots a block's bytes end in whether its sliding layers' part is there
+        // (`BlockPool::read_block`).
+        block_bytes: block_bytes as u64 + u64::from(kv_window.is_some()),
     };
     Ok(Sizing {
         max_context,
@@ -309,10 +324,67 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         block_bytes,
         part_bytes,
         kv_blocks,
+        kv_window,
         max_batch_tokens,
         max_batch,
         layout,
     })
+}
+
+/// The window slots of a model with sliding-window layers, and the pool's blocks with them.
+/// The slots hold every running sequence's window and as many cached tails
+/// ([`WindowLayout::slots_for`]). Without kv_memory_mib the pool keeps the blocks sized for
+/// max_context and the sliding layers use less memory; with it, the bytes the sliding layers
+/// no longer hold become blocks of the others (at most as many blocks as one layer alone would
+/// get, for a model whose every layer slides).
+fn window_slots(
+    opts: &EngineOptions,
+    config: &ModelConfig,
+    kv_blocks: usize,
+    block_bytes: usize,
+) -> (usize, Option<WindowLayout>) {
+    let Some(window) = config.sliding_window else {
+        return (kv_blocks, None);
+    };
+    let layers: Vec<bool> = (0..config.num_layers)
+        .map(|l| config.window(l).is_some())
+        .collect();
+    let windowed = layers.iter().filter(|&&w| w).count();
+    if windowed == 0 {
+        return (kv_blocks, None);
+    }
+    let slots = |blocks| {
+        WindowLayout::slots_for(
+            window,
+            BLOCK_SIZE,
+            opts.max_batch,
+            opts.max_batch_tokens,
+            blocks,
+        )
+    };
+    let per_layer = block_bytes / config.num_layers.max(1);
+    let blocks = match opts.kv_memory_mib {
+        None => kv_blocks,
+        Some(_) => {
+            let budget = kv_blocks.saturating_mul(block_bytes);
+            let s = slots(usize::MAX);
+            let (full, sliding) = (config.num_layers - windowed, windowed);
+            let held = s.saturating_mul(sliding * per_layer);
+            if held >= budget {
+                kv_blocks
+            } else {
+                let rest = (budget - held) / (full * per_layer).max(1);
+                rest.clamp(kv_blocks, kv_blocks.saturating_mul(config.num_layers))
+            }
+        }
+    };
+    let num_slots = slots(blocks);
+    let layout = WindowLayout {
+        window,
+        layers,
+        num_slots,
+    };
+    (blocks, Some(layout))
 }
 
 /// Phase 4: the memory pools, the conversation cache, the model runner and the engine core,
@@ -369,11 +441,13 @@ fn build_and_spawn(
         kv_dtype,
         block_bytes,
         kv_blocks,
+        kv_window,
         max_batch_tokens,
         max_batch,
         ..
     } = sizing;
     let salt = sizing.layout.salt;
+    let kv_window_slots = kv_window.as_ref().map_or(0, |w| w.num_slots);
     let (threads, ngram, devices) = (setup.threads, setup.ngram, setup.devices);
     let config = model.config.clone();
     let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
@@ -415,6 +489,7 @@ fn build_and_spawn(
             &stages,
             model,
             kv_blocks,
+            kv_window,
             BLOCK_SIZE,
             max_batch_tokens,
             threads,
@@ -448,6 +523,7 @@ fn build_and_spawn(
     let queued = Arc::new(AtomicUsize::new(0));
     let stats = Arc::new(Mutex::new(EngineStats {
         kv_blocks_total: kv_blocks,
+        kv_window_slots_total: kv_window_slots,
         // What the disk scan found is visible before the first step.
         cache: cache.stats().clone(),
         ..Default::default()
@@ -623,6 +699,7 @@ fn fingerprint(
     quantize: Option<QuantType>,
     bf16_dot: bool,
     max_context: usize,
+    window_slots: bool,
 ) -> u64 {
     use xxhash_rust::xxh3::xxh3_64;
     let mut parts: Vec<u64> = vec![
@@ -638,6 +715,10 @@ fn fingerprint(
         parts.push(xxh3_64(b"bf16_dot"));
     }
     parts.push(config.vocab_size as u64);
+    // A block's bytes say whether its sliding layers' part is there (`BlockPool::read_block`).
+    if window_slots {
+        parts.push(xxh3_64(b"window slots"));
+    }
     if let RopeScaling::LongRope { .. } = config.rope_scaling {
         let set: &[u8] = if config.rope_scaling.uses_long_factors(max_context) {
             b"longrope long"

@@ -6,6 +6,7 @@ use super::sampler::{prompt_token_logprob, LogprobScratch};
 use crate::device::memory_pool::{MemoryPool, PoolRefusal, Purpose, Reservation};
 use crate::error::{Result, StrataError};
 use crate::kv::blocks::{BlockPool, KvDtype};
+use crate::kv::window::WindowLayout;
 use crate::model::forward::{LogitsWanted, SeqChunk, Workspace};
 use crate::model::Model;
 
@@ -72,6 +73,7 @@ impl ModelRunner {
             &[stage],
             model,
             kv_blocks,
+            None,
             block_size,
             max_batch_tokens,
             threads,
@@ -82,11 +84,14 @@ impl ModelRunner {
     /// As [`ModelRunner::new`], with the layers split across `stages` (consecutive ranges, in
     /// order): each device accounts its own layers' weights (the embedding on the first, the
     /// final norm and head on the last), the K/V of its layers for every block, and a workspace
-    /// of its own with the RoPE table.
+    /// of its own with the RoPE table. `kv_window`: the sliding layers' window slots, if they
+    /// keep fewer blocks than the pool.
+    #[allow(clippy::too_many_arguments)]
     pub fn split(
         stages: &[Stage],
         model: Model,
         kv_blocks: usize,
+        kv_window: Option<WindowLayout>,
         block_size: usize,
         max_batch_tokens: usize,
         threads: usize,
@@ -113,31 +118,25 @@ impl ModelRunner {
                     .map_err(|r| refused("device", r))?,
             );
         }
-        for stage in stages {
-            let kv_bytes = BlockPool::block_bytes(
-                stage.layers,
-                block_size,
-                c.num_kv_heads,
-                c.head_dim,
-                kv_dtype,
-            )
-            .checked_mul(kv_blocks)
-            .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
-            kv_reserved.push(
-                stage
-                    .memory
-                    .reserve(Purpose::Kv, kv_bytes as u64)
-                    .map_err(|r| refused("kv_memory_mib", r))?,
-            );
-        }
-        let kv = BlockPool::split(
+        // The arrays are allocated zeroed, which touches no page: reserving their bytes after
+        // is still before any is used.
+        let kv = BlockPool::windowed(
             &counts,
             kv_blocks,
+            kv_window,
             block_size,
             c.num_kv_heads,
             c.head_dim,
             kv_dtype,
         )?;
+        for (d, stage) in stages.iter().enumerate() {
+            kv_reserved.push(
+                stage
+                    .memory
+                    .reserve(Purpose::Kv, kv.stage_storage_bytes(d) as u64)
+                    .map_err(|r| refused("kv_memory_mib", r))?,
+            );
+        }
         let mut ws = Vec::with_capacity(stages.len());
         let mut memory = Vec::with_capacity(stages.len());
         for ((stage, weights), kv) in stages.iter().zip(weights).zip(kv_reserved) {

@@ -181,7 +181,7 @@ impl<O> Scheduler<O> {
         extend_hashes(self.salt, &seq.tokens, bs, &mut seq.hashes);
         // At least the last token is fed to the model: its logits pick the next token.
         let usable = (seq.tokens.len() - 1) / bs;
-        let hit = kv.lookup(&seq.hashes[..usable], &seq.tokens);
+        let mut hit = kv.lookup(&seq.hashes[..usable], &seq.tokens);
         for &b in &hit {
             kv.retain(b);
         }
@@ -191,40 +191,62 @@ impl<O> Scheduler<O> {
             below = 0;
         }
         // Blocks for the restored prefix and the first chunk after it.
-        let need = |restored: usize| {
-            let cached = (hit.len() + restored) * bs;
+        let need = |hit: usize, restored: usize| {
+            let cached = (hit + restored) * bs;
             let len = (seq.tokens.len() - cached).min(budget);
-            (cached + len).div_ceil(bs) - hit.len()
+            (cached + len).div_ceil(bs) - hit
         };
         let mut restored = 0;
         let mut table = None;
         if below > 0 {
-            match kv.allocate(need(below)) {
+            // Restored blocks take window slots only for the sliding layers' part they bring.
+            match kv.allocate_for_restore(need(hit.len(), below)) {
                 Some(a) => {
                     cache.offload(kv, &a.evicted);
                     restored =
                         cache.onload(kv, &a.blocks[..below], &seq.hashes, &seq.tokens, hit.len());
-                    // A restore that stopped short needs fewer blocks; the rest were never used.
                     let mut blocks = a.blocks;
-                    kv.release(&blocks[need(restored)..]);
-                    blocks.truncate(need(restored));
-                    table = Some(blocks);
+                    let mut chain = hit.clone();
+                    chain.extend_from_slice(&blocks[..restored]);
+                    // A restore that stopped short needs fewer blocks; the rest were never used.
+                    let keep = need(hit.len(), restored);
+                    if kv.usable_prefix(&chain) < chain.len()
+                        || !kv.give_slots(&blocks[restored..keep])
+                    {
+                        // The next token's window lacks a sliding layers' part (a block passed
+                        // by an earlier window), or the blocks to compute lack slots: the
+                        // restored blocks stay cached, and the sequence starts where the
+                        // device's own blocks let it.
+                        kv.release(&blocks);
+                        restored = 0;
+                    } else {
+                        kv.release(&blocks[keep..]);
+                        blocks.truncate(keep);
+                        table = Some(blocks);
+                    }
                 }
-                None => cache.refuse_onload(below * bs, kv.num_free(), need(below)),
+                None => cache.refuse_onload(below * bs, kv.num_free(), need(hit.len(), below)),
             }
         }
         let fresh = match table {
             Some(t) => t,
-            None => match kv.allocate(need(0)) {
-                Some(a) => {
-                    cache.offload(kv, &a.evicted);
-                    a.blocks
+            None => {
+                // With window slots the device's blocks count only as far as the next token's
+                // window has its slots.
+                let n = kv.usable_prefix(&hit);
+                kv.release(&hit[n..]);
+                hit.truncate(n);
+                match kv.allocate(need(hit.len(), 0)) {
+                    Some(a) => {
+                        cache.offload(kv, &a.evicted);
+                        a.blocks
+                    }
+                    None => {
+                        kv.release(&hit);
+                        return None;
+                    }
                 }
-                None => {
-                    kv.release(&hit);
-                    return None;
-                }
-            },
+            }
         };
         let cached = (hit.len() + restored) * bs;
         let len = (seq.tokens.len() - cached).min(budget);
@@ -239,6 +261,8 @@ impl<O> Scheduler<O> {
         seq.table = hit;
         seq.table.extend(fresh);
         seq.computed = cached;
+        seq.window_from = kv.first_kept(cached);
+        kv.enter_windows(&seq.table, seq.window_from);
         self.running.push(seq);
         Some(len)
     }
@@ -261,7 +285,9 @@ impl<O> Scheduler<O> {
         match kv.allocate(need) {
             Some(a) => {
                 cache.offload(kv, &a.evicted);
+                let from = seq.table.len();
                 seq.table.extend(a.blocks);
+                kv.enter_windows(&seq.table[from..], 0);
                 true
             }
             None => false,
@@ -316,8 +342,9 @@ impl<O> Scheduler<O> {
     /// Sends running sequence `i` back to the front of the queue without its blocks.
     fn preempt(&mut self, i: usize, kv: &mut BlockPool) {
         let mut seq = self.running.remove(i);
-        kv.release(&seq.table);
+        kv.release_table(&seq.table, seq.window_from);
         seq.table.clear();
+        seq.window_from = 0;
         seq.drafts.clear();
         seq.computed = 0;
         seq.registered = 0;
@@ -354,7 +381,8 @@ impl<O> Scheduler<O> {
         let seq = &mut self.running[i];
         let keep = seq.computed.div_ceil(self.block_size);
         if seq.table.len() > keep {
-            kv.release(&seq.table[keep..]);
+            // The window reaches every drafted block (`window_from <= computed / block_size`).
+            kv.release_table(&seq.table[keep..], 0);
             seq.table.truncate(keep);
         }
     }
@@ -365,6 +393,11 @@ impl<O> Scheduler<O> {
         let bs = self.block_size;
         let seq = &mut self.running[i];
         seq.computed += n;
+        let passed = kv.first_kept(seq.computed).min(seq.table.len());
+        if passed > seq.window_from {
+            kv.pass_window(&seq.table[seq.window_from..passed]);
+            seq.window_from = passed;
+        }
         let full = seq.computed / bs;
         if full > seq.registered {
             extend_hashes(self.salt, &seq.tokens[..full * bs], bs, &mut seq.hashes);
@@ -383,8 +416,9 @@ impl<O> Scheduler<O> {
     pub fn remove(&mut self, id: u64, kv: &mut BlockPool) -> Option<Sequence<O>> {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(i);
-            kv.release(&seq.table);
+            kv.release_table(&seq.table, seq.window_from);
             seq.table.clear();
+            seq.window_from = 0;
             return Some(seq);
         }
         let i = self.waiting.iter().position(|s| s.id == id)?;
@@ -452,6 +486,63 @@ mod tests {
         // 3 prompt + 4 generated = 7 tokens fed (2 blocks); 20 + 1 fed = 21 tokens (6 blocks).
         assert_eq!(tables, vec![2, 6]);
         assert_eq!(kv.num_used(), 8);
+    }
+
+    /// Every running sequence's window has its slots, and each block of it one reference.
+    fn assert_windows_held(s: &Scheduler<()>, kv: &BlockPool) {
+        for q in &s.running {
+            assert_eq!(q.window_from, kv.first_kept(q.computed).min(q.table.len()));
+            assert!(
+                kv.has_window_slots(&q.table[q.window_from..]),
+                "seq {}",
+                q.id
+            );
+        }
+    }
+
+    #[test]
+    fn sliding_windows_give_their_slots_back_and_a_conversation_resumes_exactly() {
+        use crate::kv::window::WindowLayout;
+        // Window 8 over blocks of 4: a token reads at most 3 blocks; 6 slots for 32 blocks.
+        let window = WindowLayout {
+            window: 8,
+            layers: vec![true],
+            num_slots: 6,
+        };
+        let mut kv = BlockPool::windowed(&[1], 32, Some(window), BS, 1, 2, KvDtype::F32).unwrap();
+        let mut s = Scheduler::<()>::new(4, 8, BS, 1);
+        let prompt: Vec<u32> = (100..140).collect();
+        s.waiting.push_back(seq(0, prompt.clone()));
+        // 40 prompt tokens in chunks of 8, then decoding: never more than 4 slots held.
+        for _ in 0..12 {
+            fake_step(&mut s, &mut kv);
+            assert_windows_held(&s, &kv);
+            let (_, used, _) = kv.window_slots().unwrap();
+            assert!(used <= 4, "{used} slots held");
+        }
+        let q = &s.running[0];
+        // 40 + 7 tokens fed (12 blocks); the next token reads positions 40..=47.
+        // It keeps the window of its last full block's end (44 reads 37..=44): blocks 9 to 11.
+        assert_eq!((q.computed, q.table.len(), q.window_from), (47, 12, 9));
+        assert_eq!(kv.window_slots(), Some((6, 3, 9)));
+        assert_eq!(kv.num_used(), 12, "the full layers keep every block");
+        // The conversation ends: its last blocks stay cached with their slots, and it comes
+        // back with one more turn. Its whole history is a hit; the next token's window is there.
+        let mut done = s.remove(0, &mut kv).unwrap();
+        assert_eq!(kv.num_used(), 0);
+        done.tokens.extend([5, 6, 7]);
+        s.waiting.push_back(seq(1, done.tokens.clone()));
+        assert_eq!(fake_step(&mut s, &mut kv), vec![Chunk { seq: 1, len: 7 }]);
+        assert_eq!(s.running[0].cached_tokens, 44);
+        assert_windows_held(&s, &kv);
+        // Another conversation that shares only the first 20 tokens finds those blocks without
+        // their sliding part: it starts from the beginning.
+        let mut other = prompt[..20].to_vec();
+        other.extend([1, 2, 3, 4, 5]);
+        s.waiting.push_back(seq(2, other));
+        fake_step(&mut s, &mut kv);
+        assert_eq!(s.running[1].cached_tokens, 0);
+        assert_windows_held(&s, &kv);
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub struct Sequence<O = Output> {
     pub computed: usize,
     /// Blocks holding positions `0..table.len() * block_size`.
     pub table: Vec<u32>,
+    /// `table[window_from..]` hold this sequence's window references (the blocks its sliding
+    /// layers still read; 0 without window slots).
+    pub window_from: usize,
     /// Prefix hashes of the full blocks of `tokens` (a chain; see `kv::prefix`).
     pub hashes: Vec<u64>,
     /// Blocks of `table` already registered in the prefix index (or found there).
@@ -77,6 +80,7 @@ impl<O> Sequence<O> {
             tokens: prompt,
             computed: 0,
             table: Vec::new(),
+            window_from: 0,
             hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,

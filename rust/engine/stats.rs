@@ -64,6 +64,11 @@ pub struct EngineStats {
     pub kv_blocks_used: usize,
     /// Blocks indexed in the prefix cache (held or evictable).
     pub kv_blocks_cached: usize,
+    /// The sliding-window layers' slots (0 when they keep every block, `kv::window`), those a
+    /// block holds, and those given back because every window had passed their block.
+    pub kv_window_slots_total: usize,
+    pub kv_window_slots_used: usize,
+    pub kv_window_slots_passed: u64,
     /// `kv_blocks_used / kv_blocks_total` (0 with no pool); set by [`StatsSnapshot::new`].
     pub kv_usage: f64,
     pub prefix_query_tokens: u64,
@@ -110,6 +115,9 @@ impl Default for EngineStats {
             kv_blocks_total: 0,
             kv_blocks_used: 0,
             kv_blocks_cached: 0,
+            kv_window_slots_total: 0,
+            kv_window_slots_used: 0,
+            kv_window_slots_passed: 0,
             kv_usage: 0.0,
             prefix_query_tokens: 0,
             prefix_hit_tokens: 0,

@@ -9,10 +9,12 @@
 //! sequence owns a block table; its token at position p lives in block `table[p / block_size]`,
 //! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix, and
 //! full blocks can be indexed by their prefix hash ([`PrefixIndex`]) so that a block nobody holds
-//! keeps its K/V until the space is needed.
+//! keeps its K/V until the space is needed. Sliding-window layers may keep theirs in fewer
+//! slots ([`crate::kv::window`]): a block has one only while a window still reaches it.
 
 use crate::error::{Result, StrataError};
 use crate::kv::prefix::{Evicted, PrefixIndex};
+use crate::kv::window::{WindowLayout, WindowSlots};
 use crate::model::kernels::cpu::attention::{k_index, KvData, KvLayer};
 use crate::model::kernels::cpu::kv_q8;
 use crate::model::weights::DType;
@@ -260,6 +262,21 @@ fn copy_streaming(dst: &mut [u8], src: &[u8]) {
     dst.copy_from_slice(src);
 }
 
+/// The byte range of `block` within `layer`'s K (or V) array, whose blocks are `n` bytes: a
+/// sliding layer's holds the block's window slot, `None` when it has none.
+fn block_range(
+    window: &Option<WindowSlots>,
+    n: usize,
+    layer: usize,
+    block: u32,
+) -> Option<std::ops::Range<usize>> {
+    let row = match window {
+        Some(w) if w.is_windowed(layer) => w.slot(block)?,
+        _ => block,
+    } as usize;
+    Some(row * n..(row + 1) * n)
+}
+
 /// Orders the non-temporal stores of [`copy_streaming`] before any later store.
 fn store_fence() {
     #[cfg(target_arch = "x86_64")]
@@ -289,6 +306,8 @@ pub struct BlockPool {
     free: Vec<u32>,
     /// Indexed full blocks; those nobody holds are evictable, least recently used first.
     prefix: PrefixIndex,
+    /// The sliding-window layers' slots, when they have fewer rows than the pool has blocks.
+    window: Option<WindowSlots>,
 }
 
 impl BlockPool {
@@ -331,6 +350,27 @@ impl BlockPool {
         head_dim: usize,
         kv_dtype: KvDtype,
     ) -> Result<BlockPool> {
+        Self::windowed(
+            layer_counts,
+            num_blocks,
+            None,
+            block_size,
+            kv_heads,
+            head_dim,
+            kv_dtype,
+        )
+    }
+
+    /// As [`BlockPool::split`], the layers `window` names keeping their K/V in its slots.
+    pub fn windowed(
+        layer_counts: &[usize],
+        num_blocks: usize,
+        window: Option<WindowLayout>,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        kv_dtype: KvDtype,
+    ) -> Result<BlockPool> {
         let stages = crate::device::split::ranges(layer_counts);
         let num_layers = layer_counts.iter().sum();
         if num_blocks == 0 || block_size == 0 {
@@ -339,25 +379,40 @@ impl BlockPool {
                 "the K/V budget holds no block; raise it",
             ));
         }
-        // Bytes of K (and of V) per layer.
-        let per_layer = num_blocks
-            .checked_mul(block_size * kv_heads * kv_dtype.row_bytes(head_dim))
-            .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
-        let mut layers = Vec::with_capacity(num_layers);
+        if let Some(w) = &window {
+            if w.window == 0 || w.num_slots == 0 || w.layers.len() != num_layers {
+                return Err(StrataError::Internal(format!(
+                    "window slots: window {}, {} slots, {} layers of {num_layers}",
+                    w.window,
+                    w.num_slots,
+                    w.layers.len()
+                )));
+            }
+        }
+        let rows = |layer: usize| match &window {
+            Some(w) if w.layers[layer] => w.num_slots,
+            _ => num_blocks,
+        };
+        // Bytes of K (and of V) per block of a layer.
+        let per_block = block_size * kv_heads * kv_dtype.row_bytes(head_dim);
+        let total: usize = (0..num_layers)
+            .map(|l| rows(l).saturating_mul(per_block).saturating_mul(2))
+            .fold(0, usize::saturating_add);
         // The budget is the caller's (kv_memory_mib, or the default derived from max_context).
         let oom = |_| {
             StrataError::invalid(
                 "kv_memory_mib",
-                format!(
-                    "cannot allocate the K/V pool ({} MiB)",
-                    num_layers.saturating_mul(per_layer).saturating_mul(2) >> 20
-                ),
+                format!("cannot allocate the K/V pool ({} MiB)", total >> 20),
             )
         };
-        for _ in 0..num_layers {
-            layers.push(LayerStore::zeroed(kv_dtype, per_layer).map_err(oom)?);
+        let mut layers = Vec::with_capacity(num_layers);
+        for l in 0..num_layers {
+            let bytes = rows(l)
+                .checked_mul(per_block)
+                .ok_or_else(|| StrataError::invalid("kv_memory_mib", "too large"))?;
+            layers.push(LayerStore::zeroed(kv_dtype, bytes).map_err(oom)?);
         }
-        Ok(Self::with_store(
+        let mut pool = Self::with_store(
             KvStore::Host(layers),
             stages,
             num_blocks,
@@ -365,7 +420,9 @@ impl BlockPool {
             kv_heads,
             head_dim,
             kv_dtype,
-        ))
+        );
+        pool.window = window.map(|w| WindowSlots::new(&w, block_size, num_blocks));
+        Ok(pool)
     }
 
     /// A pool whose blocks live in device memory: `parts[d]` is device `d`'s, holding
@@ -425,6 +482,7 @@ impl BlockPool {
             refcount: vec![0; num_blocks],
             free: (0..num_blocks as u32).rev().collect(),
             prefix: PrefixIndex::new(num_blocks),
+            window: None,
         }
     }
 
@@ -463,19 +521,28 @@ impl BlockPool {
         self.num_blocks
     }
 
-    /// Blocks an allocation can take: free ones plus cached ones nobody holds.
+    /// Blocks an allocation can take: free ones plus cached ones nobody holds, and as many
+    /// window slots (free ones plus those of cached blocks nobody holds).
     pub fn num_free(&self) -> usize {
-        self.free.len() + self.prefix.evictable()
+        let blocks = self.free.len() + self.prefix.evictable();
+        match &self.window {
+            Some(w) => blocks.min(w.num_free() + w.parked),
+            None => blocks,
+        }
     }
 
-    /// Free blocks that hold no cached prefix: an allocation of up to this many evicts nothing.
+    /// Free blocks that hold no cached prefix (with free window slots): an allocation of up to
+    /// this many evicts nothing.
     pub fn num_empty(&self) -> usize {
-        self.free.len()
+        match &self.window {
+            Some(w) => self.free.len().min(w.num_free()),
+            None => self.free.len(),
+        }
     }
 
     /// Blocks some sequence holds.
     pub fn num_used(&self) -> usize {
-        self.num_blocks - self.num_free()
+        self.num_blocks - self.free.len() - self.prefix.evictable()
     }
 
     /// Blocks indexed in the prefix cache, held or not.
@@ -484,17 +551,39 @@ impl BlockPool {
     }
 
     /// Takes `n` blocks, or none at all when fewer than `n` can be had. Free blocks go first;
-    /// then the least recently used cached blocks are evicted (returned in `evicted`).
+    /// then the least recently used cached blocks are evicted (returned in `evicted`). With
+    /// window slots, each block comes with one.
     pub fn allocate(&mut self, n: usize) -> Option<Allocation> {
         if n > self.num_free() {
             return None;
         }
+        let a = self.take_blocks(n)?;
+        self.give_slots(&a.blocks).then_some(a)
+    }
+
+    /// As [`BlockPool::allocate`], for blocks a restore writes: each takes a window slot only if
+    /// its data has the sliding layers' part ([`BlockPool::write_block`]), and the caller gives
+    /// slots to those it computes itself ([`BlockPool::give_slots`]).
+    pub fn allocate_for_restore(&mut self, n: usize) -> Option<Allocation> {
+        if n > self.free.len() + self.prefix.evictable() {
+            return None;
+        }
+        self.take_blocks(n)
+    }
+
+    /// `n` blocks, held once; the caller checked that they are there.
+    fn take_blocks(&mut self, n: usize) -> Option<Allocation> {
         let from_free = n.min(self.free.len());
         let mut blocks = self.free.split_off(self.free.len() - from_free);
         let mut evicted = Vec::new();
         while blocks.len() < n {
-            // num_free() counted the evictable blocks, so this cannot run dry.
+            // The caller counted the evictable blocks, so this cannot run dry.
             let e = self.prefix.evict()?;
+            // It keeps its slot: what the slot holds is still its K/V until the caller has
+            // copied it out.
+            if let Some(w) = self.window.as_mut().filter(|w| w.has_slot(e.block)) {
+                w.parked -= 1;
+            }
             blocks.push(e.block);
             evicted.push(e);
         }
@@ -502,6 +591,34 @@ impl BlockPool {
             self.refcount[b as usize] = 1;
         }
         Some(Allocation { blocks, evicted })
+    }
+
+    /// Gives each of `blocks` (held) a window slot if it has none: free ones first, then those
+    /// of the least recently used cached blocks nobody holds (their full layers stay cached).
+    /// False, and nothing more taken, when the slots run out first.
+    pub fn give_slots(&mut self, blocks: &[u32]) -> bool {
+        let Some(w) = self.window.as_mut() else {
+            return true;
+        };
+        let lacking = blocks.iter().filter(|&&b| !w.has_slot(b)).count();
+        if lacking > w.num_free() + w.parked {
+            return false;
+        }
+        for &b in blocks {
+            if w.has_slot(b) {
+                continue;
+            }
+            if w.num_free() == 0 {
+                let Some(oldest) = self.prefix.parked_oldest_first().find(|&p| w.has_slot(p))
+                else {
+                    return false;
+                };
+                w.parked -= 1;
+                w.give_back(oldest);
+            }
+            w.take(b);
+        }
+        true
     }
 
     /// Every block in the prefix index, held or not: (block, hash, tokens).
@@ -544,7 +661,8 @@ impl BlockPool {
         self.stages.last().map_or(0, |r| r.end)
     }
 
-    /// Bytes of one block's K/V across all layers, as `read_block` lays them out.
+    /// Bytes of one block's K/V across all layers, as `read_block` lays them out (with window
+    /// slots, one more: whether the sliding layers' part is there).
     pub fn bytes_per_block(&self) -> usize {
         Self::block_bytes(
             self.num_layers(),
@@ -552,7 +670,7 @@ impl BlockPool {
             self.kv_heads,
             self.head_dim,
             self.kv_dtype,
-        )
+        ) + usize::from(self.window.is_some())
     }
 
     /// Bytes of one block's K/V on device `stage` (its layers only).
@@ -571,22 +689,31 @@ impl BlockPool {
         (0..stage).map(|s| self.part_bytes(s)).sum()
     }
 
-    /// The byte range of `block` within one layer's K (or V) array.
-    fn block_range(&self, block: u32) -> std::ops::Range<usize> {
-        let n = self.block_size * self.kv_heads * self.kv_dtype.row_bytes(self.head_dim);
-        block as usize * n..(block as usize + 1) * n
+    /// Bytes of one block of one layer's K (or V) array.
+    fn layer_block_bytes(&self) -> usize {
+        self.block_size * self.kv_heads * self.kv_dtype.row_bytes(self.head_dim)
+    }
+
+    /// The byte range of `block` within one layer's K (or V) array: a sliding layer's holds
+    /// the block's slot, `None` when it has none.
+    fn block_range(&self, layer: usize, block: u32) -> Option<std::ops::Range<usize>> {
+        block_range(&self.window, self.layer_block_bytes(), layer, block)
     }
 
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
-    /// layer order, so the layout is the same whatever the split. Host blocks always copy; a
-    /// device's copy can fail (the caller skips that move).
+    /// layer order, so the layout is the same whatever the split. With window slots, a block
+    /// without one has zeros for the sliding layers, and the last byte says which (1: there).
+    /// Host blocks always copy; a device's copy can fail (the caller skips that move).
     pub fn read_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
         let mut at = 0;
         for stage in 0..self.stages.len() {
             let n = self.part_bytes(stage);
             self.read_block_part(stage, block, &mut out[at..at + n])?;
             at += n;
+        }
+        if let Some(w) = &self.window {
+            out[at] = u8::from(w.has_slot(block));
         }
         Ok(())
     }
@@ -603,10 +730,15 @@ impl BlockPool {
             KvStore::Host(layers) => layers,
             KvStore::Device(parts) => return parts[stage].read_part(block, out),
         };
-        let r = self.block_range(block);
         let mut at = 0;
-        for layer in &layers[self.stages[stage].clone()] {
-            let (k, v) = layer.bytes();
+        for li in self.stages[stage].clone() {
+            let n = self.layer_block_bytes();
+            let Some(r) = self.block_range(li, block) else {
+                out[at..at + 2 * n].fill(0);
+                at += 2 * n;
+                continue;
+            };
+            let (k, v) = layers[li].bytes();
             for part in [&k[r.clone()], &v[r.clone()]] {
                 out[at..at + part.len()].copy_from_slice(part);
                 at += part.len();
@@ -615,8 +747,17 @@ impl BlockPool {
         Ok(())
     }
 
-    /// Copies one block's K/V in, laid out as `read_block` writes it.
+    /// Copies one block's K/V in, laid out as `read_block` writes it. A block whose sliding
+    /// layers' part is not in `data` gives its window slot back.
     pub fn write_block(&mut self, block: u32, data: &[u8]) -> std::result::Result<(), String> {
+        if self.window.is_some() {
+            // A part that finds no slot is dropped: the block then counts as without it.
+            if data.last() != Some(&1) || !self.give_slots(&[block]) {
+                if let Some(w) = self.window.as_mut() {
+                    w.give_back(block);
+                }
+            }
+        }
         let mut at = 0;
         for stage in 0..self.stages.len() {
             let n = self.part_bytes(stage);
@@ -633,15 +774,20 @@ impl BlockPool {
         block: u32,
         data: &[u8],
     ) -> std::result::Result<(), String> {
-        let r = self.block_range(block);
+        let n = self.layer_block_bytes();
         let range = self.stages[stage].clone();
+        let window = &self.window;
         let layers = match &mut self.store {
             KvStore::Host(layers) => layers,
             KvStore::Device(parts) => return parts[stage].write_part(block, data),
         };
         let mut at = 0;
-        for layer in &mut layers[range] {
-            let (k, v) = layer.bytes_mut();
+        for li in range {
+            let Some(r) = block_range(window, n, li, block) else {
+                at += 2 * n;
+                continue;
+            };
+            let (k, v) = layers[li].bytes_mut();
             for part in [&mut k[r.clone()], &mut v[r.clone()]] {
                 let n = part.len();
                 copy_streaming(part, &data[at..at + n]);
@@ -657,26 +803,140 @@ impl BlockPool {
         let rc = &mut self.refcount[block as usize];
         if *rc == 0 {
             self.prefix.unpark(block);
+            if let Some(w) = self.window.as_mut().filter(|w| w.has_slot(block)) {
+                w.parked -= 1;
+            }
         }
         *rc += 1;
     }
 
     /// Drops one reference to each block of a block table. A block nobody holds any more stays
     /// cached when it is indexed, else it is free. The table is released from its end, so that a
-    /// sequence's last blocks are evicted before the prefix they extend.
+    /// sequence's last blocks are evicted before the prefix they extend. No window reference is
+    /// dropped ([`BlockPool::release_table`] drops a sequence's).
     pub fn release(&mut self, blocks: &[u32]) {
         for &b in blocks.iter().rev() {
             let rc = &mut self.refcount[b as usize];
             debug_assert!(*rc > 0, "block {b} released more often than taken");
             *rc = rc.saturating_sub(1);
-            if *rc == 0 {
+            let rc = *rc;
+            if rc == 0 {
                 if self.prefix.is_indexed(b) {
                     self.prefix.park(b);
                 } else {
                     self.free.push(b);
                 }
             }
+            let Some(w) = self.window.as_mut() else {
+                continue;
+            };
+            if w.refs(b) == 0 && w.has_slot(b) {
+                // A cached block nobody holds keeps its slot while it can (the tail of a
+                // conversation that may come back); any other block no window reaches gives
+                // it back.
+                if rc == 0 && self.prefix.is_indexed(b) {
+                    w.parked += 1;
+                } else {
+                    w.give_back(b);
+                }
+            }
         }
+    }
+
+    /// Releases a sequence's block table whose blocks from `windowed_from` on hold its window
+    /// references ([`BlockPool::enter_windows`]), dropping those.
+    pub fn release_table(&mut self, table: &[u32], windowed_from: usize) {
+        if let Some(w) = self.window.as_mut() {
+            for &b in table.iter().skip(windowed_from) {
+                w.drop_ref(b);
+            }
+        }
+        self.release(table);
+    }
+
+    /// The positions a sliding layer reads, when the pool keeps window slots.
+    pub fn window(&self) -> Option<usize> {
+        self.window.as_ref().map(|w| w.window())
+    }
+
+    /// The first block of its table a sequence with `computed` positions still reads in its
+    /// sliding layers (0 without window slots: every block is read).
+    pub fn first_read(&self, computed: usize) -> usize {
+        self.window.as_ref().map_or(0, |w| w.first_read(computed))
+    }
+
+    /// The first block of its table a sequence with `computed` positions keeps window slots
+    /// for ([`WindowSlots::first_kept`]; 0 without window slots).
+    pub fn first_kept(&self, computed: usize) -> usize {
+        self.window.as_ref().map_or(0, |w| w.first_kept(computed))
+    }
+
+    /// A sequence's table starts to hold window references from block `from` on: each of those
+    /// blocks gets one, and the blocks before it that no window reaches give their slots back.
+    /// Those from `from` on must have their slots (new blocks, or a usable prefix hit).
+    pub fn enter_windows(&mut self, table: &[u32], from: usize) {
+        let Some(w) = self.window.as_mut() else {
+            return;
+        };
+        let from = from.min(table.len());
+        for &b in &table[from..] {
+            w.add_ref(b);
+        }
+        for &b in &table[..from] {
+            if w.refs(b) == 0 {
+                w.give_back(b);
+            }
+        }
+    }
+
+    /// A sequence's window has passed `blocks` (which it holds): each drops its window
+    /// reference, and one that no window reaches any more gives its slot back.
+    pub fn pass_window(&mut self, blocks: &[u32]) {
+        let Some(w) = self.window.as_mut() else {
+            return;
+        };
+        for &b in blocks {
+            if w.drop_ref(b) == 0 && w.has_slot(b) {
+                w.give_back(b);
+                w.passed += 1;
+            }
+        }
+    }
+
+    /// The window slots: (slots, those held by a block, slots given back as windows passed
+    /// their blocks); `None` without them.
+    pub fn window_slots(&self) -> Option<(usize, usize, u64)> {
+        let w = self.window.as_ref()?;
+        Some((w.num_slots(), w.num_slots() - w.num_free(), w.passed))
+    }
+
+    /// Whether `layer` keeps its K/V in window slots (the forward pass then addresses it
+    /// through [`BlockPool::window_table`] and [`BlockPool::window_row`]).
+    pub fn is_windowed(&self, layer: usize) -> bool {
+        self.window.as_ref().is_some_and(|w| w.is_windowed(layer))
+    }
+
+    /// `table` translated to window slots, appended to `out` (blocks without one read as slot
+    /// 0; see [`WindowSlots::translate`]).
+    pub fn window_table(&self, table: &[u32], out: &mut Vec<u32>) {
+        if let Some(w) = &self.window {
+            w.translate(table, out);
+        }
+    }
+
+    /// The window-slot row for position `pos` of a sequence with block table `table`, `None`
+    /// when its block has no slot.
+    pub fn window_row(&self, table: &[u32], pos: usize) -> Option<usize> {
+        let w = self.window.as_ref()?;
+        let s = w.slot(table[pos / self.block_size])?;
+        Some(s as usize * self.block_size + pos % self.block_size)
+    }
+
+    /// Whether every block of `table` has its window slot (true without window slots).
+    pub fn has_window_slots(&self, table: &[u32]) -> bool {
+        self.window
+            .as_ref()
+            .is_none_or(|w| table.iter().all(|&b| w.has_slot(b)))
     }
 
     /// Indexes a full, computed block under its prefix hash; false when that prefix is already
@@ -687,7 +947,8 @@ impl BlockPool {
     }
 
     /// The cached blocks holding the longest prefix of `hashes` (hashes of consecutive full
-    /// blocks of `tokens`). The caller retains what it uses.
+    /// blocks of `tokens`). With window slots a sequence can continue only from
+    /// [`BlockPool::usable_prefix`] of them. The caller retains what it uses.
     pub fn lookup(&self, hashes: &[u64], tokens: &[u32]) -> Vec<u32> {
         let bs = self.block_size;
         hashes
@@ -695,6 +956,14 @@ impl BlockPool {
             .enumerate()
             .map_while(|(i, &h)| self.prefix.get(h, &tokens[i * bs..(i + 1) * bs]))
             .collect()
+    }
+
+    /// The longest prefix of the blocks `table` a sequence can continue from: all of it without
+    /// window slots, else up to where the next token's window has its slots.
+    pub fn usable_prefix(&self, table: &[u32]) -> usize {
+        self.window
+            .as_ref()
+            .map_or(table.len(), |w| w.usable_prefix(table))
     }
 
     /// Index of the K/V row for position `pos` of a sequence with block table `table`.
@@ -877,6 +1146,113 @@ mod tests {
             pool.read_block(2, &mut again).expect("a host read");
             assert_eq!(bytes, again);
         }
+    }
+
+    /// Layer 0 slides (window 8, blocks of 4: a token reads at most 3 blocks) in 4 slots; layer
+    /// 1 keeps all 8 blocks.
+    fn windowed_pool() -> BlockPool {
+        let window = WindowLayout {
+            window: 8,
+            layers: vec![true, false],
+            num_slots: 4,
+        };
+        BlockPool::windowed(&[2], 8, Some(window), 4, 1, 2, KvDtype::F32).unwrap()
+    }
+
+    /// Writes position `pos` of `table` in both layers: K `[pos, layer]`, V `[-pos, layer]`.
+    fn write_position(pool: &mut BlockPool, table: &[u32], pos: usize) {
+        let x = pos as f32;
+        let row = pool.window_row(table, pos).expect("a slot");
+        pool.write(0, row, &[x, 0.0], &[-x, 0.0]);
+        let row = pool.slot(table, pos);
+        pool.write(1, row, &[x, 1.0], &[-x, 1.0]);
+    }
+
+    #[test]
+    fn window_slots_follow_the_windows_and_the_cache() {
+        let mut pool = windowed_pool();
+        assert_eq!(pool.window(), Some(8));
+        assert_eq!(pool.bytes_per_block(), 2 * 2 * 4 * 2 * 4 + 1);
+        // Layer 0 holds 4 slots, layer 1 8 blocks.
+        assert_eq!(pool.storage_bytes(), (4 + 8) * 2 * 4 * 2 * 4);
+        let t = pool.allocate(3).unwrap().blocks;
+        pool.enter_windows(&t, 0);
+        assert_eq!(pool.window_slots(), Some((4, 3, 0)));
+        for pos in 0..12 {
+            write_position(&mut pool, &t, pos);
+        }
+        let tokens: Vec<u32> = (0..12).collect();
+        let mut hashes = Vec::new();
+        crate::kv::prefix::extend_hashes(1, &tokens, 4, &mut hashes);
+        for b in 0..3 {
+            assert!(pool.register(t[b], hashes[b], &tokens[b * 4..b * 4 + 4]));
+        }
+        let n = pool.bytes_per_block();
+        let mut first = vec![0u8; n];
+        pool.read_block(t[0], &mut first).unwrap();
+        assert_eq!(first[n - 1], 1, "block 0 has its sliding part");
+        // At 12 computed positions the next token reads 5..=12: block 0 is passed.
+        assert_eq!(pool.first_read(12), 1);
+        pool.pass_window(&t[..1]);
+        assert_eq!(pool.window_slots(), Some((4, 2, 1)));
+        let mut passed = vec![0u8; n];
+        pool.read_block(t[0], &mut passed).unwrap();
+        assert_eq!(passed[n - 1], 0, "block 0 lost its sliding part");
+        let layer = 2 * 4 * 2 * 4;
+        assert!(
+            passed[..layer].iter().all(|&b| b == 0),
+            "zeros in its place"
+        );
+        assert_eq!(
+            passed[layer..n - 1],
+            first[layer..n - 1],
+            "the full layer stays"
+        );
+        // Its conversation ends: the blocks its window reached keep their slots, cached.
+        pool.release_table(&t, 1);
+        assert_eq!(pool.num_used(), 0);
+        assert_eq!(pool.window_slots(), Some((4, 2, 1)));
+        assert_eq!(pool.lookup(&hashes, &tokens), t);
+        assert_eq!(pool.usable_prefix(&t), 3, "continuing reads blocks 1 and 2");
+        // 5 blocks free, 3 cached; 2 slots free, 2 held by cached blocks.
+        assert_eq!((pool.num_free(), pool.num_empty()), (4, 2));
+        // An allocation of 3 takes free blocks and a cached block's slot: the least recently
+        // used, block 2 (a table is released from its end).
+        let u = pool.allocate(3).unwrap();
+        assert!(u.evicted.is_empty());
+        pool.enter_windows(&u.blocks, 0);
+        assert_eq!(pool.window_slots(), Some((4, 4, 1)));
+        assert_eq!(pool.num_free(), 1, "block 1's slot is the last to be had");
+        assert_eq!(pool.usable_prefix(&t), 0, "block 2's window lacks slots");
+        assert_eq!(pool.usable_prefix(&t[..1]), 0);
+        // A block restored without its sliding part gives its slot back; one with it needs one.
+        pool.write_block(u.blocks[2], &passed).unwrap();
+        assert_eq!(pool.window_slots(), Some((4, 3, 1)));
+        pool.write_block(u.blocks[1], &first).unwrap();
+        let mut again = vec![0u8; n];
+        pool.read_block(u.blocks[1], &mut again).unwrap();
+        assert_eq!(again, first);
+        // Block 2 takes the free slot back for its part.
+        pool.write_block(u.blocks[2], &first).unwrap();
+        assert_eq!(pool.window_slots(), Some((4, 4, 1)));
+        pool.read_block(u.blocks[2], &mut again).unwrap();
+        assert_eq!(again, first);
+        // With every slot held (the cached block 1's was the last to be had), a part is dropped.
+        pool.write_block(u.blocks[2], &passed).unwrap();
+        let v = pool.allocate(2).unwrap().blocks;
+        assert_eq!(pool.window_slots(), Some((4, 4, 1)));
+        assert_eq!(pool.num_free(), 0);
+        pool.write_block(u.blocks[2], &first).unwrap();
+        pool.read_block(u.blocks[2], &mut again).unwrap();
+        assert_eq!(again, passed);
+        pool.release_table(&u.blocks, 0);
+        pool.release(&v);
+        assert_eq!(
+            pool.window_slots(),
+            Some((4, 0, 1)),
+            "unindexed blocks give theirs back"
+        );
+        assert_eq!(pool.num_free(), 4);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! K/V memory: the per-device block pool and its prefix index.
+//! K/V memory: the per-device block pool, its prefix index and its sliding-window slots.
 
 pub mod blocks;
 pub mod prefix;
+pub mod window;

@@ -200,6 +200,13 @@ impl PrefixIndex {
         })
     }
 
+    /// Evictable blocks, least recently used first.
+    pub fn parked_oldest_first(&self) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(Some(self.lru.head).filter(|&b| b != NIL), |&b| {
+            Some(self.lru.next[b as usize]).filter(|&n| n != NIL)
+        })
+    }
+
     /// Every indexed block: (block, hash, tokens).
     pub fn iter(&self) -> impl Iterator<Item = (u32, u64, &[u32])> {
         self.entries
@@ -249,6 +256,7 @@ mod tests {
         assert_eq!(ix.evictable(), 2);
         ix.unpark(1);
         ix.park(1);
+        assert_eq!(ix.parked_oldest_first().collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(
             ix.evict(),
             Some(Evicted {

@@ -86,6 +86,10 @@ pub struct Workspace {
     rows: Vec<AttnRow>,
     tables: Vec<u32>,
     slots: Vec<usize>,
+    /// `tables` and `slots` in window slots, for the sliding layers of a pool that keeps them
+    /// (`BlockPool::is_windowed`); empty otherwise.
+    window_tables: Vec<u32>,
+    window_slots: Vec<usize>,
     matmul: MatmulScratch,
     attention: AttnScratch,
 }
@@ -115,6 +119,11 @@ impl Workspace {
             // max_position_embeddings, which can be far beyond memory.
             tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
             slots: Vec::with_capacity(t),
+            window_tables: Vec::with_capacity(match c.sliding_window {
+                Some(_) => t + model.rope.max_positions() / 4,
+                None => 0,
+            }),
+            window_slots: Vec::with_capacity(if c.sliding_window.is_some() { t } else { 0 }),
             matmul: {
                 let mut m =
                     MatmulScratch::new(threads, c.hidden_size.max(c.q_dim()).max(c.mlp_width()), t);
@@ -153,8 +162,8 @@ impl Workspace {
             + self.moe.routes.capacity() * size_of::<Route>()
             + self.moe.picked.capacity() * size_of::<usize>()
             + self.rows.capacity() * size_of::<AttnRow>()
-            + self.tables.capacity() * size_of::<u32>()
-            + self.slots.capacity() * size_of::<usize>()
+            + (self.tables.capacity() + self.window_tables.capacity()) * size_of::<u32>()
+            + (self.slots.capacity() + self.window_slots.capacity()) * size_of::<usize>()
             + self.matmul.bytes()
             + self.attention.bytes()
     }
@@ -173,6 +182,10 @@ impl Workspace {
         next.tables.extend_from_slice(&self.tables);
         next.slots.clear();
         next.slots.extend_from_slice(&self.slots);
+        next.window_tables.clear();
+        next.window_tables.extend_from_slice(&self.window_tables);
+        next.window_slots.clear();
+        next.window_slots.extend_from_slice(&self.window_slots);
     }
 }
 
@@ -238,6 +251,9 @@ impl Model {
         ws.rows.clear();
         ws.tables.clear();
         ws.slots.clear();
+        ws.window_tables.clear();
+        ws.window_slots.clear();
+        let windowed = kv.window().is_some();
         let mut logit_rows = 0;
         for s in batch {
             // Its "last" row would be the previous chunk's.
@@ -256,6 +272,18 @@ impl Model {
             }
             let table_start = ws.tables.len() as u32;
             ws.tables.extend_from_slice(s.block_table);
+            // The sliding layers read each row's window and write its row: those blocks must
+            // have their window slots (the scheduler keeps them while a window reaches them).
+            let read = kv.first_read(s.start_pos)..end.div_ceil(kv.block_size());
+            if windowed && !kv.has_window_slots(&s.block_table[read.clone()]) {
+                return Err(StrataError::Internal(format!(
+                    "blocks {read:?} of a sequence at positions {}..{end} lack window slots",
+                    s.start_pos
+                )));
+            }
+            if windowed {
+                kv.window_table(s.block_table, &mut ws.window_tables);
+            }
             for pos in s.start_pos..end {
                 ws.rows.push(AttnRow {
                     pos: pos as u32,
@@ -263,6 +291,9 @@ impl Model {
                     table_len: s.block_table.len() as u32,
                 });
                 ws.slots.push(kv.slot(s.block_table, pos));
+                if let Some(row) = kv.window_row(s.block_table, pos) {
+                    ws.window_slots.push(row);
+                }
             }
             logit_rows += match s.logits {
                 LogitsWanted::None => 0,
@@ -349,13 +380,19 @@ impl Model {
                 rmsnorm_inplace(k, kn, c.rms_norm_eps);
             }
             let rope = self.rope_at(li);
+            // A sliding layer of a pool with window slots keeps its K/V in them.
+            let (tables, slots) = if kv.is_windowed(li) {
+                (&ws.window_tables, &ws.window_slots)
+            } else {
+                (&ws.tables, &ws.slots)
+            };
             for (t, row) in ws.rows.iter().enumerate() {
                 let pos = row.pos as usize;
                 rope.apply(&mut q[t * q_dim..(t + 1) * q_dim], c.num_heads, pos);
                 rope.apply(&mut k[t * kv_dim..(t + 1) * kv_dim], c.num_kv_heads, pos);
                 kv.write(
                     li,
-                    ws.slots[t],
+                    slots[t],
                     &k[t * kv_dim..(t + 1) * kv_dim],
                     &v[t * kv_dim..(t + 1) * kv_dim],
                 );
@@ -363,7 +400,7 @@ impl Model {
             paged_attention(
                 q,
                 &ws.rows,
-                &ws.tables,
+                tables,
                 &kv.layer(li),
                 c.num_heads,
                 scale,

@@ -47,6 +47,7 @@ fn runner(dir: &Path, split: &[usize], max_batch_tokens: usize) -> ModelRunner {
         &stages(split, &vec![None; split.len()]),
         model,
         BLOCKS,
+        None,
         BLOCK_SIZE,
         max_batch_tokens,
         2,
@@ -145,7 +146,8 @@ fn each_device_accounts_its_own_layers_weights_kv_and_workspace() {
         let rope = model.rope.bytes() as u64;
         let c = model.config.clone();
         let st = stages(&[1, 3], &[None, None]);
-        let r = ModelRunner::split(&st, model, BLOCKS, BLOCK_SIZE, 16, 2, KvDtype::F32).unwrap();
+        let r =
+            ModelRunner::split(&st, model, BLOCKS, None, BLOCK_SIZE, 16, 2, KvDtype::F32).unwrap();
         let (d0, d1) = (&st[0].memory, &st[1].memory);
         // The embedding on the first device, the norm and the head on the last; a tied head is
         // the last device's own copy.
@@ -198,7 +200,7 @@ fn the_device_that_cannot_hold_its_share_refuses_the_load_and_nothing_stays_rese
     let weights1 = model.stage_weight_bytes(1..4, false, true) as u64;
     // cpu:1 holds its weights and half its K/V; cpu:0 is unbounded.
     let st = stages(&[1, 3], &[None, Some(weights1 + kv1 / 2)]);
-    let err = ModelRunner::split(&st, model, BLOCKS, BLOCK_SIZE, 16, 2, KvDtype::F32)
+    let err = ModelRunner::split(&st, model, BLOCKS, None, BLOCK_SIZE, 16, 2, KvDtype::F32)
         .err()
         .unwrap();
     assert!(matches!(err, StrataError::InvalidRequest { .. }), "{err:?}");

@@ -113,6 +113,24 @@ pub fn table() -> Vec<MetricSpec> {
             "K/V blocks indexed in the prefix cache (held or evictable)",
             "kv_blocks_cached",
         ),
+        spec(
+            Gauge,
+            "strata:kv_window_slots_total",
+            "Sliding-window layers' K/V slots (0 when they keep every block)",
+            "kv_window_slots_total",
+        ),
+        spec(
+            Gauge,
+            "strata:kv_window_slots_used",
+            "Sliding-window K/V slots held by a block",
+            "kv_window_slots_used",
+        ),
+        spec(
+            Counter,
+            "strata:kv_window_slots_passed",
+            "Sliding-window K/V slots given back because every window had passed their block",
+            "kv_window_slots_passed",
+        ),
         labelled(
             Gauge,
             "strata:memory_in_use_bytes",
