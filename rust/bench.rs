@@ -77,6 +77,7 @@ pub fn run(runner: &mut ModelRunner, spec: &BenchSpec) -> Result<BenchReport> {
             for i in 0..spec.decode_steps {
                 // Greedy: feed back the argmax, as generation would.
                 let next = argmax(&out);
+                runner.window_slots(&table, ctx + i, ctx + i + 1)?;
                 let t = Instant::now();
                 let batch = [SeqChunk {
                     tokens: &[next],

@@ -268,7 +268,7 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         None => {
             let wanted = max_context
                 .div_ceil(BLOCK_SIZE)
-                .min((2048 << 20) / block_bytes)
+                .min(DEFAULT_KV_BYTES / block_bytes)
                 .max(1);
             let sizing = DeviceSizing {
                 devices: &setup.devices,
@@ -288,8 +288,22 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     let on_gpus = false;
     let (kv_blocks, kv_window) = match on_gpus {
         // The CUDA runner's tables address every layer by block: its pool keeps every position.
-        true => (kv_blocks, None),
-        false => window_slots(opts, &loaded.model.config, kv_blocks, block_bytes),
+        true => {
+            if loaded.model.config.sliding_window.is_some() {
+                log::info!(
+                    "sliding-window layers keep every position's K/V on CUDA (window slots are \
+                     CPU-only for now)"
+                );
+            }
+            (kv_blocks, None)
+        }
+        false => window_slots(
+            opts,
+            &loaded.model.config,
+            kv_blocks,
+            block_bytes,
+            max_context,
+        ),
     };
     // One sequence must fit in the pool, else no request of max_context could ever run.
     let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
@@ -331,17 +345,21 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     })
 }
 
+/// The most K/V the default sizing (no kv_memory_mib) takes for max_context.
+const DEFAULT_KV_BYTES: usize = 2048 << 20;
+
 /// The window slots of a model with sliding-window layers, and the pool's blocks with them.
-/// The slots hold every running sequence's window and as many cached tails
-/// ([`WindowLayout::slots_for`]). Without kv_memory_mib the pool keeps the blocks sized for
-/// max_context and the sliding layers use less memory; with it, the bytes the sliding layers
-/// no longer hold become blocks of the others (at most as many blocks as one layer alone would
-/// get, for a model whose every layer slides).
+/// The slots hold the running sequences' windows and as many cached tails
+/// ([`WindowLayout::slots_for`]); the bytes the sliding layers no longer hold become blocks of
+/// the others, up to kv_memory_mib, or without it up to max_context's blocks within the default
+/// cap (at most as many blocks as one layer alone would get, for a model whose every layer
+/// slides). Blocks that device_memory_mib fitted beside the weights stay as they are.
 fn window_slots(
     opts: &EngineOptions,
     config: &ModelConfig,
     kv_blocks: usize,
     block_bytes: usize,
+    max_context: usize,
 ) -> (usize, Option<WindowLayout>) {
     let Some(window) = config.sliding_window else {
         return (kv_blocks, None);
@@ -363,20 +381,18 @@ fn window_slots(
         )
     };
     let per_layer = block_bytes / config.num_layers.max(1);
-    let blocks = match opts.kv_memory_mib {
-        None => kv_blocks,
-        Some(_) => {
-            let budget = kv_blocks.saturating_mul(block_bytes);
-            let s = slots(usize::MAX);
-            let (full, sliding) = (config.num_layers - windowed, windowed);
-            let held = s.saturating_mul(sliding * per_layer);
-            if held >= budget {
-                kv_blocks
-            } else {
-                let rest = (budget - held) / (full * per_layer).max(1);
-                rest.clamp(kv_blocks, kv_blocks.saturating_mul(config.num_layers))
-            }
-        }
+    let (budget, wanted) = match (opts.kv_memory_mib, opts.device_memory_mib.is_some()) {
+        (Some(_), _) => (kv_blocks.saturating_mul(block_bytes), usize::MAX),
+        (None, true) => (kv_blocks.saturating_mul(block_bytes), kv_blocks),
+        (None, false) => (DEFAULT_KV_BYTES, max_context.div_ceil(BLOCK_SIZE)),
+    };
+    let (full, sliding) = (config.num_layers - windowed, windowed);
+    let held = slots(usize::MAX).saturating_mul(sliding * per_layer);
+    let blocks = match budget.checked_sub(held) {
+        Some(rest) if rest > 0 => (rest / (full * per_layer).max(1))
+            .min(wanted)
+            .clamp(kv_blocks, kv_blocks.saturating_mul(config.num_layers)),
+        _ => kv_blocks,
     };
     let num_slots = slots(blocks);
     let layout = WindowLayout {

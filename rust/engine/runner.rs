@@ -275,6 +275,7 @@ impl ModelRunner {
                 LogitsWanted::Last if i + 1 == chunks => (LogitsWanted::Last, &mut out[..vocab]),
                 _ => (LogitsWanted::None, &mut out[..0]),
             };
+            self.window_slots(table, pos, pos + chunk.len())?;
             let batch = [SeqChunk {
                 tokens: chunk,
                 start_pos: pos,
@@ -286,11 +287,25 @@ impl ModelRunner {
         Ok(())
     }
 
+    /// Window slots for a diagnostic step that writes positions `start..end` of `table` (from
+    /// [`ModelRunner::allocate`]): the blocks its window reads and writes get theirs, those
+    /// before give theirs back. A no-op without window slots.
+    pub fn window_slots(&mut self, table: &[u32], start: usize, end: usize) -> Result<()> {
+        let to = end.div_ceil(self.kv.block_size()).min(table.len());
+        if self.kv.slots_from(&table[..to], self.kv.first_read(start)) {
+            return Ok(());
+        }
+        Err(StrataError::ContextOverflow(format!(
+            "token_ids: no room in the K/V pool's window slots for positions {start}..{end}"
+        )))
+    }
+
     /// Blocks for a sequence of `len` tokens, or ContextOverflow when the pool cannot hold it.
     /// For the diagnostic commands (logits, bench): cached blocks it evicts are not kept below.
+    /// Their window slots come with each step ([`ModelRunner::window_slots`]).
     pub fn allocate(&mut self, len: usize) -> Result<Vec<u32>> {
         self.kv
-            .allocate(len.div_ceil(self.kv.block_size()))
+            .allocate_unslotted(len.div_ceil(self.kv.block_size()))
             .map(|a| a.blocks)
             .ok_or_else(|| {
                 StrataError::ContextOverflow(format!(
@@ -323,6 +338,7 @@ impl ModelRunner {
         let mut out = Vec::with_capacity(ids.len().saturating_sub(1));
         for (i, chunk) in ids.chunks(step).enumerate() {
             let start = i * step;
+            self.window_slots(table, start, start + chunk.len())?;
             let batch = [SeqChunk {
                 tokens: chunk,
                 start_pos: start,

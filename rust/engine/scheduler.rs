@@ -200,7 +200,7 @@ impl<O> Scheduler<O> {
         let mut table = None;
         if below > 0 {
             // Restored blocks take window slots only for the sliding layers' part they bring.
-            match kv.allocate_for_restore(need(hit.len(), below)) {
+            match kv.allocate_unslotted(need(hit.len(), below)) {
                 Some(a) => {
                     cache.offload(kv, &a.evicted);
                     restored =

@@ -561,10 +561,11 @@ impl BlockPool {
         self.give_slots(&a.blocks).then_some(a)
     }
 
-    /// As [`BlockPool::allocate`], for blocks a restore writes: each takes a window slot only if
-    /// its data has the sliding layers' part ([`BlockPool::write_block`]), and the caller gives
-    /// slots to those it computes itself ([`BlockPool::give_slots`]).
-    pub fn allocate_for_restore(&mut self, n: usize) -> Option<Allocation> {
+    /// As [`BlockPool::allocate`], without window slots: for blocks a restore writes (each takes
+    /// one only if its data has the sliding layers' part, [`BlockPool::write_block`]) and for
+    /// tables the caller gives slots to as it computes them ([`BlockPool::give_slots`],
+    /// [`BlockPool::slots_from`]).
+    pub fn allocate_unslotted(&mut self, n: usize) -> Option<Allocation> {
         if n > self.free.len() + self.prefix.evictable() {
             return None;
         }
@@ -591,6 +592,20 @@ impl BlockPool {
             self.refcount[b as usize] = 1;
         }
         Some(Allocation { blocks, evicted })
+    }
+
+    /// For a table no scheduler keeps window references for (the diagnostic commands): its
+    /// blocks before `from` give their window slots back, those from it on get one. False when
+    /// the slots run out.
+    pub fn slots_from(&mut self, table: &[u32], from: usize) -> bool {
+        if let Some(w) = self.window.as_mut() {
+            for &b in &table[..from.min(table.len())] {
+                if w.refs(b) == 0 {
+                    w.give_back(b);
+                }
+            }
+        }
+        self.give_slots(table.get(from..).unwrap_or_default())
     }
 
     /// Gives each of `blocks` (held) a window slot if it has none: free ones first, then those

@@ -747,3 +747,44 @@ fn a_chunk_with_no_tokens_cannot_want_logits() {
     }
     assert_eq!(step(&mut r, LogitsWanted::None, &mut out).unwrap(), 1);
 }
+
+/// A mistral with a 50-key window whose layers keep their K/V in 8 window slots (5 blocks a
+/// window reads, two more for a chunk), for 300 tokens in 19 blocks: every position's logits are
+/// those of a pool that keeps every position, bit for bit, chunked as the steps come.
+#[test]
+fn window_slots_give_the_logits_of_a_pool_that_keeps_every_position() {
+    use strata_rs::engine::runner::Stage;
+    use strata_rs::kv::window::WindowLayout;
+    let tokens = ids(300, 256, 11);
+    let dir = invariance_model("mistral", DType::F32);
+    for chunk in [1, 7, 16] {
+        let want = runner_threads(dir.path(), chunk, 2)
+            .all_logits(&tokens)
+            .unwrap();
+        let model = Model::load(dir.path(), 512).unwrap();
+        let layers = model.config.num_layers;
+        let stage = Stage {
+            memory: MemoryPool::new("cpu", None),
+            layers,
+        };
+        let window = WindowLayout {
+            window: 50,
+            layers: vec![true; layers],
+            num_slots: 8,
+        };
+        let mut r = ModelRunner::split(
+            &[stage],
+            model,
+            64,
+            Some(window),
+            16,
+            chunk,
+            2,
+            KvDtype::F32,
+        )
+        .unwrap();
+        let got = r.all_logits(&tokens).unwrap();
+        assert_bits_eq(&got, &want, &format!("chunks of {chunk}"));
+        assert_eq!(r.kv.window_slots(), Some((8, 0, 0)), "all given back");
+    }
+}
