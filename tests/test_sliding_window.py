@@ -3,7 +3,8 @@
 A tiny random Gemma 3 (window 8, four layers of which layer 2 is full) generates far past its
 window; its sliding layers give their blocks' slots back as the window passes them (the stats
 count it), every generated token's log-probability matches the independent reference of the whole
-sequence, and a budget of K/V holds more blocks than it would if every layer kept every position.
+sequence, a budget of K/V holds more blocks than it would if every layer kept every position,
+and more running windows than slots (waiting, preempted) still give each request's tokens alone.
 The conversation cache's round trips of such sequences (host and disk tiers, blocks with and
 without their sliding part) are test_cache.py's, for every family.
 """
@@ -14,6 +15,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 from reference import reference_logits
@@ -38,7 +40,15 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from strata_rs.testing.models import make_model
 
-    return make_model(tmp_path_factory.mktemp("gemma3-window"), "gemma3", "tiny", "f32", 0)
+    # A 4,096-position context: 256 blocks, more than the slots.
+    return make_model(
+        tmp_path_factory.mktemp("gemma3-window"),
+        "gemma3",
+        "tiny",
+        "f32",
+        0,
+        max_position_embeddings=4096,
+    )
 
 
 async def test_generation_past_the_window_is_exact_and_frees_its_slots(gemma3: Path) -> None:
@@ -122,3 +132,36 @@ async def test_a_prefix_passed_by_the_window_is_recomputed_exactly(gemma3: Path)
     finally:
         await engine.close()
         await cold.close()
+
+
+async def test_more_windows_than_slots_wait_or_are_preempted_and_stay_exact(gemma3: Path) -> None:
+    # 32 sequences running at once, past their windows; the slots hold 16 windows (2 x 8) and
+    # a step's blocks, so some wait for slots or are preempted and recomputed.
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 500, size=60 + 2 * i)] for i in range(32)]
+    engine = await Engine.load(
+        gemma3, max_batch=32, max_batch_tokens=64, host_cache_mib=0, disk_cache_mib=0
+    )
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        r = await engine.complete(prompts[i], max_tokens=60, temperature=0, ignore_eos=True)
+        got[i] = r.token_ids
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        s = engine.stats()
+    finally:
+        await engine.close()
+    # Fewer slots than the 32 windows' 64 to 96 blocks (a window of 8 reads one or two blocks,
+    # the partial one and a step's); how many wait or are preempted depends on arrival timing.
+    assert s["kv_window_slots_total"] == 2 * 8 * (1 + 2) + 64 // BLOCK < 32 * 2
+    alone = await Engine.load(gemma3, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        for i, p in enumerate(prompts):
+            r = await alone.complete(p, max_tokens=60, temperature=0, ignore_eos=True)
+            assert got[i] == r.token_ids, f"request {i}"
+    finally:
+        await alone.close()

@@ -399,7 +399,8 @@ class MemoryInUse(TypedDict):
     weights and biases as f32 copies; a tied head counts once."""
     kv: int
     """The paged K/V pool: kv_blocks_total x this device's part of info()["kv_block_bytes"]
-    (its layers' share, with a layer split)."""
+    (its layers' share, with a layer split); with window slots (kv_window_slots_total > 0) the
+    sliding layers hold that many blocks instead."""
     workspace: int
     """Buffers sized at load: activations, matmul and attention scratch, the logits rows
     sampled from, the RoPE table."""

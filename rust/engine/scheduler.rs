@@ -500,16 +500,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn sliding_windows_give_their_slots_back_and_a_conversation_resumes_exactly() {
-        use crate::kv::window::WindowLayout;
-        // Window 8 over blocks of 4: a token reads at most 3 blocks; 6 slots for 32 blocks.
-        let window = WindowLayout {
+    /// A one-layer pool of `blocks` whose layer slides over 8 positions (a token reads at most 3
+    /// blocks of 4) in `slots` window slots.
+    fn window_pool(blocks: usize, slots: usize) -> BlockPool {
+        let window = crate::kv::window::WindowLayout {
             window: 8,
             layers: vec![true],
-            num_slots: 6,
+            num_slots: slots,
         };
-        let mut kv = BlockPool::windowed(&[1], 32, Some(window), BS, 1, 2, KvDtype::F32).unwrap();
+        BlockPool::windowed(&[1], blocks, Some(window), BS, 1, 2, KvDtype::F32).unwrap()
+    }
+
+    #[test]
+    fn sliding_windows_give_their_slots_back_and_a_conversation_resumes_exactly() {
+        let mut kv = window_pool(32, 6);
         let mut s = Scheduler::<()>::new(4, 8, BS, 1);
         let prompt: Vec<u32> = (100..140).collect();
         s.waiting.push_back(seq(0, prompt.clone()));
@@ -543,6 +547,45 @@ mod tests {
         fake_step(&mut s, &mut kv);
         assert_eq!(s.running[1].cached_tokens, 0);
         assert_windows_held(&s, &kv);
+    }
+
+    #[test]
+    fn window_slot_pressure_preempts_and_every_sequence_finishes() {
+        // Three sequences whose windows need 3 to 5 slots each, in 7.
+        let mut kv = window_pool(64, 7);
+        let mut s = Scheduler::<()>::new(4, 8, BS, 1);
+        for id in 0..3u64 {
+            let prompt = (0..30).map(|t| 100 * id as u32 + t).collect();
+            s.waiting.push_back(seq(id, prompt));
+        }
+        let mut finished = Vec::new();
+        let mut least_free = usize::MAX;
+        for _ in 0..300 {
+            fake_step(&mut s, &mut kv);
+            assert_windows_held(&s, &kv);
+            let (total, used, _) = kv.window_slots().unwrap();
+            assert!(used <= total);
+            least_free = least_free.min(kv.num_free());
+            let done: Vec<u64> = s
+                .running
+                .iter()
+                .filter(|q| q.tokens.len() >= q.prompt_len + 20)
+                .map(|q| q.id)
+                .collect();
+            for id in done {
+                let q = s.remove(id, &mut kv).unwrap();
+                assert_eq!(q.tokens[q.prompt_len..], [7; 20]);
+                finished.push(id);
+            }
+            if s.is_idle() {
+                break;
+            }
+        }
+        finished.sort_unstable();
+        assert_eq!(finished, vec![0, 1, 2]);
+        assert!(least_free <= 1, "{least_free} slots left at least");
+        assert!(s.counters.preemptions > 0, "the slots were short");
+        assert_eq!(kv.num_used(), 0);
     }
 
     #[test]
