@@ -588,6 +588,65 @@ mod tests {
         assert_eq!(kv.num_used(), 0);
     }
 
+    /// Random arrivals (prompts sharing prefixes, some whole earlier conversations coming
+    /// back), lengths and finishes on a windowed pool short of blocks and of slots: after every
+    /// step the pool's bookkeeping holds and every running window has its slots; at the end
+    /// nothing is held.
+    #[test]
+    fn window_slots_hold_under_random_traffic() {
+        let mut rng = crate::rng::Rng(0x5eed);
+        for (blocks, slots) in [(24, 9), (40, 12), (64, 40)] {
+            let mut kv = window_pool(blocks, slots);
+            let mut s = Scheduler::<()>::new(4, 12, BS, 1);
+            let stems: Vec<Vec<u32>> = (0..3)
+                .map(|k| (0..20).map(|t| 1000 * k + t).collect())
+                .collect();
+            let mut history: Vec<Vec<u32>> = Vec::new();
+            let (mut next_id, mut finished) = (0u64, 0);
+            for _ in 0..400 {
+                if s.waiting.len() < 3 && rng.below(3) == 0 {
+                    let mut prompt = match (history.is_empty(), rng.below(3)) {
+                        (false, 0) => history[rng.below(history.len())].clone(),
+                        _ => stems[rng.below(stems.len())][..4 + rng.below(16)].to_vec(),
+                    };
+                    let extra = 1 + rng.below(30);
+                    prompt.extend((0..extra).map(|_| 5000 + rng.below(100) as u32));
+                    let mut q = seq(next_id, prompt);
+                    q.max_len = q.tokens.len() + 1 + rng.below(40);
+                    s.waiting.push_back(q);
+                    next_id += 1;
+                }
+                fake_step(&mut s, &mut kv);
+                kv.check_window_slots();
+                assert_windows_held(&s, &kv);
+                let done: Vec<u64> = s
+                    .running
+                    .iter()
+                    .filter(|q| q.tokens.len() >= q.max_len)
+                    .map(|q| q.id)
+                    .collect();
+                for id in done {
+                    let q = s.remove(id, &mut kv).unwrap();
+                    history.push(q.tokens);
+                    finished += 1;
+                    kv.check_window_slots();
+                }
+            }
+            while let Some(id) = s.running.first().map(|q| q.id) {
+                s.remove(id, &mut kv);
+            }
+            kv.check_window_slots();
+            assert_eq!(kv.num_used(), 0);
+            assert!(finished >= 10, "{finished} finished of {next_id}");
+            let (_, used, passed) = kv.window_slots().unwrap();
+            assert!(passed > 0 && used <= slots);
+            assert!(s.counters.preemptions > 0, "the pool was short");
+            if slots == 40 {
+                assert!(s.counters.prefix_hit_tokens > 0, "conversations came back");
+            }
+        }
+    }
+
     #[test]
     fn block_pressure_preempts_the_newest_and_it_resumes_from_the_cache() {
         let mut kv = pool(4);

@@ -918,6 +918,42 @@ impl BlockPool {
         }
     }
 
+    /// Panics unless the window slots' bookkeeping agrees with itself and with the blocks'
+    /// (the tests call it after every step): each slot is held by one block at most, the held
+    /// and the free ones add up, the count of cached unheld blocks with a slot is right, and
+    /// window references sit only on held blocks with a slot.
+    #[cfg(test)]
+    pub fn check_window_slots(&self) {
+        let Some(w) = &self.window else {
+            return;
+        };
+        let mut owner = vec![None; w.num_slots()];
+        for b in 0..w.num_blocks() as u32 {
+            if let Some(s) = w.slot(b) {
+                assert_eq!(owner[s as usize], None, "slot {s} held twice");
+                owner[s as usize] = Some(b);
+            }
+            if w.refs(b) > 0 {
+                assert!(
+                    self.refcount[b as usize] > 0,
+                    "block {b}: unheld in a window"
+                );
+                assert!(w.has_slot(b), "block {b}: in a window without a slot");
+            }
+        }
+        let held = owner.iter().filter(|o| o.is_some()).count();
+        assert_eq!(held + w.num_free(), w.num_slots(), "slots lost");
+        let parked = self
+            .prefix
+            .parked_oldest_first()
+            .filter(|&b| w.has_slot(b))
+            .count();
+        assert_eq!(parked, w.parked, "cached unheld blocks with a slot");
+        for &b in &self.free {
+            assert!(!w.has_slot(b), "free block {b} has a slot");
+        }
+    }
+
     /// The window slots: (slots, those held by a block, slots given back as windows passed
     /// their blocks); `None` without them.
     pub fn window_slots(&self) -> Option<(usize, usize, u64)> {

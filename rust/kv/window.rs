@@ -117,6 +117,10 @@ impl WindowSlots {
         self.slot_of[block as usize] != NO_SLOT
     }
 
+    pub fn num_blocks(&self) -> usize {
+        self.slot_of.len()
+    }
+
     pub fn refs(&self, block: u32) -> u32 {
         self.refs[block as usize]
     }
