@@ -1,10 +1,12 @@
 """The K/V memory an engine takes and the context it serves, for a list of load options.
 
-    python scripts/kv_memory.py --model M.gguf [--json out.json]
+    python scripts/kv_memory.py --model M.gguf [--json out.json] [--held TOKENS]
 
 For each set of options (max_context, kv_memory_mib, max_batch), loads the engine, reads
 `info()` (the served context and the pool's blocks) and `stats()` (the K/V bytes in use, the
-window slots of sliding-window layers), and closes it. No token is computed.
+window slots of sliding-window layers), and closes it. No token is computed. With `--held`, one
+conversation of that many (random) prompt tokens then runs to its first token, and the blocks
+it left cached and the window slots they keep are reported: what a conversation holds.
 """
 
 from __future__ import annotations
@@ -40,12 +42,34 @@ async def measure(model: str, options: dict[str, int]) -> dict[str, Any]:
         await engine.close()
 
 
+async def held(model: str, tokens: int) -> dict[str, Any]:
+    engine = await Engine.load(model, max_context=tokens + 16, host_cache_mib=0, disk_cache_mib=0)
+    try:
+        vocab = engine.info["vocab_size"]
+        prompt = [(i * 7919 + 13) % (vocab - 10) + 5 for i in range(tokens)]
+        await engine.complete(prompt, max_tokens=1, temperature=0)
+        s = engine.stats()
+        return {
+            "held_tokens": tokens,
+            "kv_blocks_cached": s["kv_blocks_cached"],
+            "kv_window_slots_used": s["kv_window_slots_used"],
+            "kv_window_slots_passed": s["kv_window_slots_passed"],
+        }
+    finally:
+        await engine.close()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--json")
+    parser.add_argument("--held", type=int)
     args = parser.parse_args()
     rows = []
+    if args.held:
+        row = await held(args.model, args.held)
+        print(json.dumps(row))
+        rows.append(row)
     for options in CASES:
         row = await measure(args.model, options)
         print(json.dumps(row))
