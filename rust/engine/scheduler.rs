@@ -393,7 +393,18 @@ impl<O> Scheduler<O> {
         let bs = self.block_size;
         let seq = &mut self.running[i];
         seq.computed += n;
-        let passed = kv.first_kept(seq.computed).min(seq.table.len());
+        let mut passed = kv.first_kept(seq.computed).min(seq.table.len());
+        if passed > seq.window_from {
+            // Later choices of the request, still waiting, will continue from its prompt's
+            // blocks: the window there stays until they are admitted.
+            let id = seq.id;
+            if self.waiting.iter().any(|w| w.follows == Some(id)) {
+                let seq = &self.running[i];
+                let shared = (seq.prompt_len - 1) / bs * bs;
+                passed = passed.min(kv.first_kept(shared).max(seq.window_from));
+            }
+        }
+        let seq = &mut self.running[i];
         if passed > seq.window_from {
             kv.pass_window(&seq.table[seq.window_from..passed]);
             seq.window_from = passed;
@@ -488,10 +499,16 @@ mod tests {
         assert_eq!(kv.num_used(), 8);
     }
 
-    /// Every running sequence's window has its slots, and each block of it one reference.
+    /// Every running sequence's window has its slots, and each block of it one reference (a
+    /// sequence whose later choices wait may hold more).
     fn assert_windows_held(s: &Scheduler<()>, kv: &BlockPool) {
         for q in &s.running {
-            assert_eq!(q.window_from, kv.first_kept(q.computed).min(q.table.len()));
+            let kept = kv.first_kept(q.computed).min(q.table.len());
+            if s.waiting.iter().any(|w| w.follows == Some(q.id)) {
+                assert!(q.window_from <= kept);
+            } else {
+                assert_eq!(q.window_from, kept);
+            }
             assert!(
                 kv.has_window_slots(&q.table[q.window_from..]),
                 "seq {}",
@@ -721,6 +738,36 @@ mod tests {
             s.running[1].cached_tokens, 8,
             "the second choice shares the prompt's blocks"
         );
+    }
+
+    #[test]
+    fn later_choices_share_the_prompt_after_the_first_ones_window_moved_on() {
+        let mut kv = window_pool(64, 32);
+        let mut s = Scheduler::<()>::new(4, 4, BS, 1);
+        s.waiting.push_back(seq(0, (1..=9).collect()));
+        // Another request's long prompt takes the budget the second choice waits for.
+        s.waiting.push_back(seq(2, (100..140).collect()));
+        let mut second = seq(1, (1..=9).collect());
+        second.follows = Some(0);
+        s.waiting.push_back(second);
+        for _ in 0..40 {
+            fake_step(&mut s, &mut kv);
+            kv.check_window_slots();
+            assert_windows_held(&s, &kv);
+            if s.running.iter().any(|q| q.id == 1) {
+                break;
+            }
+        }
+        let second = s.running.iter().find(|q| q.id == 1).unwrap();
+        assert_eq!(
+            second.cached_tokens, 8,
+            "the second choice shares the prompt's blocks"
+        );
+        // The first had decoded well past the prompt meanwhile; its window now moves on.
+        let first = s.running.iter().find(|q| q.id == 0).unwrap();
+        assert!(kv.first_kept(first.computed) > kv.first_kept(8) + 1);
+        fake_step(&mut s, &mut kv);
+        assert_windows_held(&s, &kv);
     }
 
     /// Runs one sequence to the end of `output` (what the "model" picks at each position), with
