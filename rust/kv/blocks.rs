@@ -709,12 +709,6 @@ impl BlockPool {
         self.block_size * self.kv_heads * self.kv_dtype.row_bytes(self.head_dim)
     }
 
-    /// The byte range of `block` within one layer's K (or V) array: a sliding layer's holds
-    /// the block's slot, `None` when it has none.
-    fn block_range(&self, layer: usize, block: u32) -> Option<std::ops::Range<usize>> {
-        block_range(&self.window, self.layer_block_bytes(), layer, block)
-    }
-
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
     /// layer order, so the layout is the same whatever the split. With window slots, a block
@@ -745,10 +739,10 @@ impl BlockPool {
             KvStore::Host(layers) => layers,
             KvStore::Device(parts) => return parts[stage].read_part(block, out),
         };
+        let n = self.layer_block_bytes();
         let mut at = 0;
         for li in self.stages[stage].clone() {
-            let n = self.layer_block_bytes();
-            let Some(r) = self.block_range(li, block) else {
+            let Some(r) = block_range(&self.window, n, li, block) else {
                 out[at..at + 2 * n].fill(0);
                 at += 2 * n;
                 continue;

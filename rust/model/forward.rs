@@ -119,9 +119,10 @@ impl Workspace {
             // max_position_embeddings, which can be far beyond memory.
             tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
             slots: Vec::with_capacity(t),
-            window_tables: Vec::with_capacity(match c.sliding_window {
-                Some(_) => t + model.rope.max_positions() / 4,
-                None => 0,
+            window_tables: Vec::with_capacity(if c.sliding_window.is_some() {
+                t + model.rope.max_positions() / 4
+            } else {
+                0
             }),
             window_slots: Vec::with_capacity(if c.sliding_window.is_some() { t } else { 0 }),
             matmul: {
@@ -253,7 +254,6 @@ impl Model {
         ws.slots.clear();
         ws.window_tables.clear();
         ws.window_slots.clear();
-        let windowed = kv.window().is_some();
         let mut logit_rows = 0;
         for s in batch {
             // Its "last" row would be the previous chunk's.
@@ -275,15 +275,13 @@ impl Model {
             // The sliding layers read each row's window and write its row: those blocks must
             // have their window slots (the scheduler keeps them while a window reaches them).
             let read = kv.first_read(s.start_pos)..end.div_ceil(kv.block_size());
-            if windowed && !kv.has_window_slots(&s.block_table[read.clone()]) {
+            if !kv.has_window_slots(&s.block_table[read.clone()]) {
                 return Err(StrataError::Internal(format!(
                     "blocks {read:?} of a sequence at positions {}..{end} lack window slots",
                     s.start_pos
                 )));
             }
-            if windowed {
-                kv.window_table(s.block_table, &mut ws.window_tables);
-            }
+            kv.window_table(s.block_table, &mut ws.window_tables);
             for pos in s.start_pos..end {
                 ws.rows.push(AttnRow {
                     pos: pos as u32,
