@@ -1,13 +1,16 @@
-"""Decode speed with n-gram drafts (`speculative="ngram"`) against plain decoding, same engine
-build, same model, rounds interleaved; the outputs must be equal (greedy).
+"""Decode speed with n-gram drafts (`speculative="ngram"`) and, with `--draft`, a draft model,
+against plain decoding, same engine build, same model, rounds interleaved; the outputs must be
+equal (greedy).
 
-    python scripts/speculative_bench.py [--model M.gguf] [--rounds 3] [--json out.json]
+    python scripts/speculative_bench.py [--model M.gguf] [--draft D.gguf] [--no-ngram]
+        [--rounds 3] [--json out.json]
 
 Two workloads: "edit" asks the model to repeat a ~150-token passage of its prompt with a small
 change (where drafts are accepted most), "chat" asks ordinary questions (where they are not,
 and adaptive draft lengths must keep decode at plain speed). Decode speed is the tokens after
 the first chunk over the time from the first chunk to the last (prefill excluded); ratios are
-medians of the per-round ratios.
+medians of the per-round ratios. Each round loads fresh engines in a rotated order (`--aa`
+adds a second plain engine: how far identical engines read apart).
 """
 
 from __future__ import annotations
@@ -78,24 +81,35 @@ async def decode_rate(engine: Engine, prompt: str, max_tokens: int) -> tuple[flo
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {"host_cache_mib": 0, "disk_cache_mib": 0, "max_batch": 1}
-    spec = {"speculative": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    engines = {
-        "plain": await Engine.load(args.model, **options),
+    k = {"num_speculative_tokens": args.num_speculative_tokens}
+    configs: dict[str, dict[str, Any]] = {"plain": {}}
+    if args.aa:
+        # A second plain engine: how far two identical engines read apart on this machine.
+        configs["plain_again"] = {}
+    methods = {} if args.no_ngram else {"ngram": "ngram"}
+    if args.draft is not None:
+        methods["draft"] = str(args.draft)
+    for name, method in methods.items():
         # Drafts as many as the measured step times say pay (the default).
-        "ngram": await Engine.load(args.model, **options, **spec),
-        # Drafts whatever lookup proposes: what verifying drafts costs on this machine.
-        "ngram_forced": await Engine.load(
-            args.model, **options, **spec, speculative_adaptive=False
-        ),
-    }
-    rates: dict[str, dict[str, list[float]]] = {
-        w: {name: [] for name in engines} for w in WORKLOADS
+        configs[name] = {**k, "speculative": method}
+        # Drafts whatever is proposed: what verifying drafts costs on this machine.
+        configs[f"{name}_forced"] = {**k, "speculative": method, "speculative_adaptive": False}
+    names = list(configs)
+    rates: dict[str, dict[str, list[float]]] = {w: {name: [] for name in names} for w in WORKLOADS}
+    totals: dict[str, dict[str, int]] = {
+        name: {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "steps": 0} for name in names
     }
     equal = True
-    try:
-        for _ in range(args.rounds):
-            for workload, prompts in WORKLOADS.items():
-                for name, engine in engines.items():
+    plain_outs: dict[str, list[list[int]]] = {}
+    for r in range(args.rounds):
+        # Fresh engines each round, loaded and run in a rotated order: where an engine's
+        # weights land in memory, and when it runs in the round, move its speed by several
+        # percent, which a fixed set of engines would carry into every round.
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            engine = await Engine.load(args.model, **options, **configs[name])
+            try:
+                for workload, prompts in WORKLOADS.items():
                     outs = []
                     total_tokens = 0
                     total_time = 0.0
@@ -105,28 +119,25 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                         total_tokens += len(ids)
                         total_time += len(ids) / rate
                     rates[workload][name].append(total_tokens / total_time)
-                    if name == "plain":
-                        plain_outs = outs
-                    elif outs != plain_outs:
-                        equal = False
-        stats = {name: dict(e.stats()) for name, e in engines.items()}
-    finally:
-        for engine in engines.values():
-            await engine.close()
+                    expected = plain_outs.setdefault(workload, outs)
+                    equal = equal and outs == expected
+                s = engine.stats()
+                for key in totals[name]:
+                    totals[name][key] += s[key]
+            finally:
+                await engine.close()
     result: dict[str, Any] = {
         "model": str(args.model),
+        "draft": None if args.draft is None else str(args.draft),
         "rounds": args.rounds,
         "outputs_equal": equal,
-        "drafts": {
-            name: {k: s[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "steps")}
-            for name, s in stats.items()
-        },
+        "drafts": totals,
     }
     for workload, r in rates.items():
         plain = statistics.median(r["plain"])
         result[workload] = {"rounds": r, "plain": {"tok_s": plain}}
         line = [f"{workload}: plain {plain:.1f} tok/s"]
-        for name in engines:
+        for name in names:
             if name != "plain":
                 speed = statistics.median(r[name])
                 # The machine's speed drifts between rounds; each round's engines ran back to
@@ -147,6 +158,9 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft", type=Path, default=None, help="also a draft model's engines")
+    parser.add_argument("--no-ngram", action="store_true", help="without the n-gram engines")
+    parser.add_argument("--aa", action="store_true", help="also a second plain engine")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.model is None:

@@ -219,8 +219,9 @@ async def test_info_shows_the_settings(model_dir: MakeModel) -> None:
     ("options", "message"),
     [
         (
-            {"speculative": "eagle"},
-            'speculative: must be "ngram" (drafts by prompt lookup), got "eagle"',
+            {"speculative": ""},
+            'speculative: must be "ngram" (drafts by prompt lookup) or a draft model\'s path, '
+            'got ""',
         ),
         (
             {"speculative": "ngram", "num_speculative_tokens": 0},

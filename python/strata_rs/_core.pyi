@@ -512,7 +512,7 @@ class Engine:
         kv_dtype: str | None = None,
         quantize: str | None = None,
         bf16_dot: bool = False,
-        speculative: str | None = None,
+        speculative: str | PathLike[str] | None = None,
         num_speculative_tokens: int = 4,
         ngram_min: int = 2,
         ngram_max: int = 4,
@@ -555,8 +555,13 @@ class Engine:
         rows say pay (none where each row costs as much as a step: plain decoding is then
         faster), fewer after rejections, none for a while after a run of them;
         speculative_adaptive=False drafts whatever lookup proposes (for tests and
-        measurements). A request's `speculative=False` opts out. info["speculative"] shows the
-        settings; stats() counts drafts and acceptances.
+        measurements). A path instead of "ngram" names a draft model (a GGUF file or a model
+        folder, with the target's tokenizer token for token): it proposes its greedy picks,
+        its K/V kept in the target's blocks (prefix cache, tiers and restarts serve both), and
+        it runs over every token the target computes (CPU, one device; the sliding-window
+        layers' slots are not used beside it). A request's `speculative=False` opts out of
+        drafting. info["speculative"] shows the settings; stats() counts drafts and
+        acceptances.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

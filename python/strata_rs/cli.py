@@ -287,10 +287,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--bf16-dot", action="store_true", help=BF16_DOT_HELP)
     s.add_argument(
         "--speculative",
-        choices=("ngram",),
         default=None,
+        metavar="ngram|DRAFT_MODEL",
         help="decode with drafts: ngram proposes what followed the longest earlier occurrence "
-        "of the sequence's suffix (prompt lookup); outputs are unchanged; default: off",
+        "of the sequence's suffix (prompt lookup); a model path (GGUF file or folder with the "
+        "target's tokenizer) proposes its greedy picks; outputs are unchanged; default: off",
     )
     s.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="most drafts per step (1-16)"
@@ -301,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-speculative-adaptive",
         dest="speculative_adaptive",
         action="store_false",
-        help="draft whatever lookup proposes, even where the measured step times say drafts "
+        help="draft whatever is proposed, even where the measured step times say drafts "
         "cost more than they save (for measurements)",
     )
     s.add_argument(

@@ -12,7 +12,7 @@ use super::doorbell::deferring_rings;
 use super::ngram::DraftLength;
 use super::request::{Delta, Event, FinishReason, Request, TokenLogprob, Usage};
 use super::runner::ModelRunner;
-use super::sampler::{splitmix, Sampler};
+use super::sampler::{argmax, splitmix, Sampler};
 use super::scheduler::{Chunk, Scheduler};
 use super::sequence::{Output, Sequence};
 use super::stats::EngineStats;
@@ -46,6 +46,9 @@ pub struct EngineCore {
     next_seq_id: u64,
     /// Logits of the rows a step samples from: `[max_batch, vocab]`, allocated at load.
     logits: Vec<f32>,
+    /// The draft model's logits of one proposal round: `[max_batch, its vocab]` (empty without
+    /// a draft model).
+    draft_logits: Vec<f32>,
     /// `logits` in the device's memory accounting (workspace); held for its `Drop`.
     _logits_reservation: Reservation,
     /// Requests submitted and not yet admitted; shared with submitters for the `max_waiting` bound.
@@ -70,6 +73,9 @@ pub struct EngineCore {
 type Addressed = (UnboundedSender<Event>, Event);
 /// A step's grammar masks, by sequence id.
 type Masks = HashMap<u64, Result<Mask>>;
+/// The sequences a step finished, with why and their last delta; removed after the step's
+/// draft-model catch-up (which still writes into their blocks).
+type Finished = Vec<(u64, FinishReason, Delta)>;
 
 impl EngineCore {
     /// `memory`: the device's pool, in which the logits buffer is accounted (as workspace).
@@ -88,8 +94,14 @@ impl EngineCore {
     ) -> Result<EngineCore> {
         let vocab = runner.model.config.vocab_size;
         let logits_len = logit_rows * vocab;
+        let draft_logits_len = runner
+            .draft_vocab()
+            .map_or(0, |v| scheduler.max_batch() * v);
         let logits_reservation = memory
-            .reserve(Purpose::Workspace, (logits_len * size_of::<f32>()) as u64)
+            .reserve(
+                Purpose::Workspace,
+                ((logits_len + draft_logits_len) * size_of::<f32>()) as u64,
+            )
             .map_err(|r| StrataError::invalid("max_batch", r.to_string()))?;
         let entropy = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -103,6 +115,7 @@ impl EngineCore {
             requests: HashMap::new(),
             next_seq_id: 0,
             logits: vec![0.0; logits_len],
+            draft_logits: vec![0.0; draft_logits_len],
             _logits_reservation: logits_reservation,
             queued,
             local: EngineStats::default(),
@@ -158,7 +171,7 @@ impl EngineCore {
             seq.follows = (index > 0).then_some(first);
             seq.drafting = self
                 .scheduler
-                .ngram
+                .speculative
                 .filter(|_| p.speculative)
                 .map(|o| DraftLength::new(o.max_drafts));
             self.next_seq_id += 1;
@@ -207,9 +220,14 @@ impl EngineCore {
         }
         // A step of decode rows only (with or without drafts) measures what its rows cost.
         let decode_rows = self.decode_rows(&plan);
+        self.propose(&plan)?;
         let (rows, masks) = self.forward_and_masks(&plan)?;
         self.scheduler.commit(&plan, &mut self.runner.kv);
-        self.sample_and_emit(rows, masks)?;
+        let finished = self.sample_and_emit(rows, masks)?;
+        self.catch_up_draft(&plan)?;
+        for (id, reason, delta) in finished {
+            self.finish(id, reason, Some(delta));
+        }
         if let Some(rows) = decode_rows {
             let seconds = started.elapsed().as_secs_f64();
             self.scheduler.step_costs.record(rows, seconds);
@@ -217,6 +235,112 @@ impl EngineCore {
         self.publish_stats(Some(started.elapsed()), &plan);
         self.deliver();
         Ok(true)
+    }
+
+    /// With a draft model, fills in the drafts [`Scheduler`] made room for, each the draft
+    /// model's greedy pick (so the target's acceptance rule for a draft proposed with certainty
+    /// keeps sampling exact): one draft-model forward per draft, batched across the sequences.
+    /// The first feeds a sequence's tokens from where its draft K/V ends through its pending
+    /// token; each later one feeds the draft before.
+    fn propose(&mut self, plan: &[Chunk]) -> Result<()> {
+        let Some(draft_vocab) = self.runner.draft_vocab() else {
+            return Ok(());
+        };
+        // A padded vocabulary's extra rows are no tokens of the target's.
+        let vocab = draft_vocab.min(self.runner.model.config.vocab_size);
+        let drafting: Vec<usize> = plan
+            .iter()
+            .filter_map(|c| self.scheduler.running.iter().position(|s| s.id == c.seq))
+            .filter(|&i| !self.scheduler.running[i].drafts.is_empty())
+            .collect();
+        let rounds = drafting
+            .iter()
+            .map(|&i| self.scheduler.running[i].drafts.len())
+            .max()
+            .unwrap_or(0);
+        for round in 0..rounds {
+            let fed: Vec<usize> = drafting
+                .iter()
+                .copied()
+                .filter(|&i| self.scheduler.running[i].drafts.len() > round)
+                .collect();
+            let batch: Vec<SeqChunk> = fed
+                .iter()
+                .map(|&i| {
+                    let seq = &self.scheduler.running[i];
+                    let (tokens, start_pos) = match round {
+                        0 => {
+                            let start = seq.draft_computed.min(seq.computed);
+                            (&seq.tokens[start..], start)
+                        }
+                        r => (&seq.drafts[r - 1..r], seq.tokens.len() + r - 1),
+                    };
+                    SeqChunk {
+                        tokens,
+                        start_pos,
+                        block_table: &seq.table,
+                        logits: LogitsWanted::Last,
+                    }
+                })
+                .collect();
+            let out = &mut self.draft_logits[..fed.len() * draft_vocab];
+            self.runner.draft_step(&batch, out)?;
+            for (row, &i) in fed.iter().enumerate() {
+                let logits = &out[row * draft_vocab..row * draft_vocab + vocab];
+                let pick = argmax(logits);
+                let seq = &mut self.scheduler.running[i];
+                seq.drafts[round] = pick;
+                seq.fed[1 + round] = pick;
+            }
+        }
+        for &i in &drafting {
+            let seq = &mut self.scheduler.running[i];
+            seq.draft_computed = seq.tokens.len();
+        }
+        Ok(())
+    }
+
+    /// With a draft model, feeds it what the target computed and it has not (prefill chunks,
+    /// decode rows, a last accepted draft) for each sequence of the step that filled a block:
+    /// so every full block, the only kind the prefix index and the tiers keep, has its draft
+    /// K/V once the step ends, and a prefix hit or a restore serves both models. The rows of a
+    /// block not yet full wait, fed a block at a time or by the sequence's next
+    /// proposal (`propose`): a sequence that does not draft costs the draft model a chunk per
+    /// block, not a forward per step.
+    fn catch_up_draft(&mut self, plan: &[Chunk]) -> Result<()> {
+        if self.runner.draft_vocab().is_none() {
+            return Ok(());
+        }
+        let bs = self.runner.kv.block_size();
+        let behind: Vec<usize> = plan
+            .iter()
+            .filter_map(|c| self.scheduler.running.iter().position(|s| s.id == c.seq))
+            .filter(|&i| {
+                let seq = &self.scheduler.running[i];
+                seq.computed / bs > seq.draft_computed / bs
+            })
+            .collect();
+        if behind.is_empty() {
+            return Ok(());
+        }
+        let batch: Vec<SeqChunk> = behind
+            .iter()
+            .map(|&i| {
+                let seq = &self.scheduler.running[i];
+                SeqChunk {
+                    tokens: &seq.tokens[seq.draft_computed..seq.computed],
+                    start_pos: seq.draft_computed,
+                    block_table: &seq.table,
+                    logits: LogitsWanted::None,
+                }
+            })
+            .collect();
+        self.runner.draft_step(&batch, &mut [])?;
+        for &i in &behind {
+            let seq = &mut self.scheduler.running[i];
+            seq.draft_computed = seq.computed;
+        }
+        Ok(())
     }
 
     /// The rows of `plan` when every chunk is one decode row and its drafts; else `None`.
@@ -350,9 +474,9 @@ impl EngineCore {
     /// Samples each sequence's next token from its logits row; a drafting sequence goes on
     /// through its rows while its drafts are accepted (each row's logits came after the drafts
     /// before it), so one step may emit several of its tokens, in one delta.
-    fn sample_and_emit(&mut self, rows: Vec<(u64, usize)>, mut masks: Masks) -> Result<()> {
+    fn sample_and_emit(&mut self, rows: Vec<(u64, usize)>, mut masks: Masks) -> Result<Finished> {
         let vocab = self.runner.model.config.vocab_size;
-        let max_drafts = self.scheduler.ngram.map_or(0, |o| o.max_drafts);
+        let max_drafts = self.scheduler.speculative.map_or(0, |o| o.max_drafts);
         let now = Instant::now();
         let mut finished = Vec::new();
         let mut emitted = 0u64;
@@ -374,6 +498,7 @@ impl EngineCore {
             };
             let mut failed = false;
             let mut accepted = 0;
+            let fed_from = seq.tokens.len();
             for r in 0..n_rows {
                 let row = &mut self.logits[(base + r) * vocab..(base + r + 1) * vocab];
                 let draft = seq.drafts.get(r).copied();
@@ -462,6 +587,10 @@ impl EngineCore {
                     d.update(proposed, accepted, max_drafts);
                 }
                 self.local.record_drafts(proposed, accepted);
+                // A draft model was fed every draft but the last: its K/V holds the accepted
+                // ones among them.
+                let fed = accepted.min(proposed - 1);
+                seq.draft_computed = seq.draft_computed.min(fed_from + fed);
             }
             self.scheduler.accept_drafts(id, &mut self.runner.kv);
             // The request ends with the grammar's error (sent above); its tokens go nowhere.
@@ -483,10 +612,7 @@ impl EngineCore {
         ttfts
             .into_iter()
             .for_each(|t| self.local.ttft_seconds.push(t));
-        for (id, reason, delta) in finished {
-            self.finish(id, reason, Some(delta));
-        }
-        Ok(())
+        Ok(finished)
     }
 
     /// Removes a sequence and sends its last delta (with usage when its request is done).

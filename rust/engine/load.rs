@@ -10,7 +10,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use super::core::EngineCore;
 #[cfg(feature = "cuda")]
 use super::gpu_sizing::{self, open_gpus};
-use super::ngram::NgramOptions;
+use super::ngram::DraftOptions;
 use super::runner::{ModelRunner, Stage};
 use super::scheduler::Scheduler;
 use super::stats::EngineStats;
@@ -55,7 +55,7 @@ struct Setup {
     #[cfg(feature = "cuda")]
     gpus: Option<Vec<crate::device::cuda::device::CudaDevice>>,
     cache_opts: CacheOptions,
-    ngram: Option<NgramOptions>,
+    speculative: Option<DraftOptions>,
     threads: usize,
 }
 
@@ -65,6 +65,8 @@ struct Loaded {
     model: Model,
     tokenizer: Tokenizer,
     layer_split: Vec<usize>,
+    /// Speculative decoding's draft model, when `speculative` names one.
+    draft: Option<(ModelSource, Model)>,
 }
 
 /// The K/V pool and the limits it sets.
@@ -133,7 +135,7 @@ fn check_options(opts: &EngineOptions) -> Result<Setup> {
     if opts.max_batch == 0 {
         return Err(StrataError::invalid("max_batch", "must be at least 1"));
     }
-    let ngram = speculative_options(opts)?;
+    let speculative = speculative_options(opts)?;
     let threads = match opts.threads {
         Some(0) => return Err(StrataError::invalid("threads", "must be at least 1")),
         // Each thread gets a workspace: a huge count would abort on allocation, not fail.
@@ -154,7 +156,7 @@ fn check_options(opts: &EngineOptions) -> Result<Setup> {
         #[cfg(feature = "cuda")]
         gpus,
         cache_opts,
-        ngram,
+        speculative,
         threads,
     })
 }
@@ -206,12 +208,59 @@ fn load_model(dir: &Path, opts: &EngineOptions, setup: &Setup) -> Result<Loaded>
         None => split::default_layer_split(&setup.devices, &setup.capacities, config.num_layers)?,
     };
     let tokenizer = Tokenizer::load(source.path())?;
+    let draft = match (&setup.speculative, opts.speculative.as_deref()) {
+        (Some(o), Some(path)) if o.model => {
+            if layer_split.len() > 1 || matches!(opts.device, Device::Cuda(_)) {
+                return Err(StrataError::invalid(
+                    "speculative",
+                    "a draft model runs on one CPU device (no CUDA, no layer_split)",
+                ));
+            }
+            Some(load_draft(Path::new(path), &tokenizer)?)
+        }
+        _ => None,
+    };
     Ok(Loaded {
         source,
         model,
         tokenizer,
         layer_split,
+        draft,
     })
+}
+
+/// A draft model for speculative decoding, from any source the target could load, interleaved
+/// for the CPU's kernels; its vocabulary must be the target's token for token, since its drafts
+/// are the target's token ids.
+fn load_draft(path: &Path, target: &Tokenizer) -> Result<(ModelSource, Model)> {
+    let source = ModelSource::locate(path)?;
+    let mut model = Model::load_source(&source, 0)?;
+    model.interleave_for_cpu();
+    let tokenizer = Tokenizer::load(source.path())?;
+    let differs = |why: String| {
+        StrataError::invalid(
+            "speculative",
+            format!(
+                "the draft model {} does not share the target's tokenizer: {why}",
+                path.display()
+            ),
+        )
+    };
+    if tokenizer.vocab_size() != target.vocab_size() {
+        return Err(differs(format!(
+            "{} tokens, the target has {}",
+            tokenizer.vocab_size(),
+            target.vocab_size()
+        )));
+    }
+    for id in 0..target.vocab_size() as u32 {
+        let (a, b) = (tokenizer.id_to_token(id), target.id_to_token(id));
+        if a != b {
+            let (a, b) = (a.unwrap_or_default(), b.unwrap_or_default());
+            return Err(differs(format!("token {id} is {a:?}, the target's {b:?}")));
+        }
+    }
+    Ok((source, model))
 }
 
 /// Phase 3: the K/V pool (kv_memory_mib, or what the devices hold next to the weights), the
@@ -230,13 +279,24 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         .kv_choice
         .unwrap_or_else(|| KvDtype::for_weights(loaded.model.dtype));
     let config = &loaded.model.config;
+    // A draft model's K/V shares the blocks (one device: `load_model` checked).
+    let draft_bytes = loaded.draft.as_ref().map_or(0, |(_, d)| {
+        let c = &d.config;
+        BlockPool::block_bytes(
+            c.num_layers,
+            BLOCK_SIZE,
+            c.num_kv_heads,
+            c.head_dim,
+            kv_dtype,
+        )
+    });
     let block_bytes = BlockPool::block_bytes(
         config.num_layers,
         BLOCK_SIZE,
         config.num_kv_heads,
         config.head_dim,
         kv_dtype,
-    );
+    ) + draft_bytes;
     let part_bytes: Vec<usize> = loaded
         .layer_split
         .iter()
@@ -247,7 +307,7 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
                 config.num_kv_heads,
                 config.head_dim,
                 kv_dtype,
-            )
+            ) + draft_bytes
         })
         .collect();
     let kv_blocks = match opts.kv_memory_mib {
@@ -286,13 +346,14 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     let on_gpus = setup.gpus.is_some();
     #[cfg(not(feature = "cuda"))]
     let on_gpus = false;
-    let (kv_blocks, kv_window) = match on_gpus {
-        // The CUDA runner's tables address every layer by block: its pool keeps every position.
+    let (kv_blocks, kv_window) = match on_gpus || loaded.draft.is_some() {
+        // The CUDA runner's tables address every layer by block: its pool keeps every position;
+        // so does a pool that holds a draft model's K/V beside the target's.
         true => {
             if loaded.model.config.sliding_window.is_some() {
                 log::info!(
-                    "sliding-window layers keep every position's K/V on CUDA (window slots are \
-                     CPU-only for now)"
+                    "sliding-window layers keep every position's K/V (window slots are CPU-only \
+                     and not used beside a draft model for now)"
                 );
             }
             (kv_blocks, None)
@@ -308,6 +369,9 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     // One sequence must fit in the pool, else no request of max_context could ever run.
     let max_context = max_context.min(kv_blocks.saturating_mul(BLOCK_SIZE));
     loaded.model.set_max_positions(max_context)?;
+    if let Some((_, draft)) = loaded.draft.as_mut() {
+        draft.set_max_positions(max_context)?;
+    }
     let config = &loaded.model.config;
     let max_batch_tokens = opts.max_batch_tokens.min(max_context);
     // Every running sequence's decode row must fit in one step.
@@ -321,6 +385,22 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         max_context,
         kv_window.is_some(),
     );
+    // The draft model's K/V is part of every block: another draft, another format.
+    let salt = match &loaded.draft {
+        Some((source, draft)) => {
+            let f = fingerprint(
+                source,
+                &draft.config,
+                kv_dtype,
+                None,
+                false,
+                max_context,
+                false,
+            );
+            crate::kv::prefix::block_hash(salt, &[f as u32, (f >> 32) as u32])
+        }
+        None => salt,
+    };
     let layout = BlockLayout {
         salt,
         kv_dtype: kv_dtype.code(),
@@ -451,6 +531,7 @@ fn build_and_spawn(
         model,
         tokenizer,
         layer_split,
+        draft,
     } = loaded;
     let Sizing {
         max_context,
@@ -464,7 +545,7 @@ fn build_and_spawn(
     } = sizing;
     let salt = sizing.layout.salt;
     let kv_window_slots = kv_window.as_ref().map_or(0, |w| w.num_slots);
-    let (threads, ngram, devices) = (setup.threads, setup.ngram, setup.devices);
+    let (threads, speculative, devices) = (setup.threads, setup.speculative, setup.devices);
     let config = model.config.clone();
     let (dtype, decode_weight_bytes) = (model.dtype.name(), model.decode_weight_bytes);
     let matmul_inputs = match model.dtype {
@@ -480,7 +561,7 @@ fn build_and_spawn(
             layers,
         })
         .collect();
-    let runner = match () {
+    let mut runner = match () {
         #[cfg(feature = "cuda")]
         () if setup.gpus.is_some() => {
             use crate::device::cuda::runner::{CudaOptions, CudaRunner, StepLimits};
@@ -512,6 +593,14 @@ fn build_and_spawn(
             kv_dtype,
         )?,
     };
+    let draft_model = draft.as_ref().map(|(s, _)| s.path().to_path_buf());
+    if let (Some((_, d)), Some(memory)) = (draft, memory.first()) {
+        // A draft forward feeds the step's tokens and, per sequence, what it has not fed since
+        // its last full block: fewer than a block plus the pending token
+        // (`EngineCore::catch_up_draft`, `EngineCore::propose`).
+        let rows = max_batch_tokens + max_batch * (BLOCK_SIZE + 1);
+        runner.attach_draft(memory, d, rows, threads)?;
+    }
     let info = EngineInfo {
         model_dir: source.path().to_path_buf(),
         format: source.format(),
@@ -531,7 +620,8 @@ fn build_and_spawn(
         block_size: BLOCK_SIZE,
         prefix_salt: salt,
         kv_block_bytes: block_bytes,
-        speculative: ngram,
+        speculative,
+        draft_model,
         devices,
         layer_split,
     };
@@ -549,7 +639,7 @@ fn build_and_spawn(
         .last()
         .ok_or_else(|| StrataError::Internal("no device".into()))?;
     let mut scheduler = Scheduler::new(max_batch, max_batch_tokens, BLOCK_SIZE, salt);
-    scheduler.ngram = ngram;
+    scheduler.speculative = speculative;
     let core = EngineCore::new(
         last_device,
         runner,
@@ -557,7 +647,7 @@ fn build_and_spawn(
         cache,
         tokenizer.clone(),
         max_context,
-        max_batch * (1 + ngram.map_or(0, |o| o.max_drafts)),
+        max_batch * (1 + speculative.map_or(0, |o| o.max_drafts)),
         queued.clone(),
         stats.clone(),
     )?;
@@ -581,17 +671,18 @@ fn build_and_spawn(
 }
 
 /// The drafting settings `opts` ask for, checked.
-fn speculative_options(opts: &EngineOptions) -> Result<Option<NgramOptions>> {
-    match opts.speculative.as_deref() {
+fn speculative_options(opts: &EngineOptions) -> Result<Option<DraftOptions>> {
+    let model = match opts.speculative.as_deref() {
         None => return Ok(None),
-        Some("ngram") => {}
-        Some(other) => {
+        Some("ngram") => false,
+        Some("") => {
             return Err(StrataError::invalid(
                 "speculative",
-                format!("must be \"ngram\" (drafts by prompt lookup), got {other:?}"),
+                "must be \"ngram\" (drafts by prompt lookup) or a draft model's path, got \"\"",
             ))
         }
-    }
+        Some(_) => true,
+    };
     let k = opts.num_speculative_tokens;
     if !(1..=MAX_SPECULATIVE_TOKENS).contains(&k) {
         return Err(StrataError::invalid(
@@ -611,7 +702,8 @@ fn speculative_options(opts: &EngineOptions) -> Result<Option<NgramOptions>> {
             ),
         ));
     }
-    Ok(Some(NgramOptions {
+    Ok(Some(DraftOptions {
+        model,
         max_drafts: k,
         min_n: opts.ngram_min,
         max_n: opts.ngram_max,

@@ -22,7 +22,7 @@ use crate::kv::blocks::KvDtype;
 use crate::model::config::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
 use core::EngineCore;
-use ngram::NgramOptions;
+use ngram::DraftOptions;
 use request::{CancelFlag, Event, PromptTokenLogprob, Request, SamplingParams, MAX_LOGPROBS};
 use stats::EngineStats;
 use structured::Grammars;
@@ -75,7 +75,9 @@ pub struct EngineOptions {
     pub bf16_dot: bool,
     /// Longest sequence served; `None`: the model's max_position_embeddings.
     pub max_context: Option<usize>,
-    /// Speculative decoding: "ngram" (drafts by prompt lookup, [`ngram`]); `None`: off.
+    /// Speculative decoding: "ngram" (drafts by prompt lookup, [`ngram`]) or the path of a
+    /// draft model with the target's tokenizer (any format the engine loads; its drafts are its
+    /// greedy picks); `None`: off.
     pub speculative: Option<String>,
     /// Most drafts a sequence tries per step.
     pub num_speculative_tokens: usize,
@@ -83,7 +85,7 @@ pub struct EngineOptions {
     pub ngram_min: usize,
     pub ngram_max: usize,
     /// Draft only as many tokens as the measured step times say pay; false: every draft the
-    /// lookup proposes.
+    /// lookup proposes (a draft model: `num_speculative_tokens` each step).
     pub speculative_adaptive: bool,
     /// The conversation cache below the device.
     pub cache: CacheOptions,
@@ -154,8 +156,10 @@ pub struct EngineInfo {
     pub prefix_salt: u64,
     /// Bytes of K/V one block holds (all layers).
     pub kv_block_bytes: usize,
-    /// Speculative decoding's drafts ("ngram"), if on.
-    pub speculative: Option<NgramOptions>,
+    /// Speculative decoding's drafts (by lookup or by a draft model), if on.
+    pub speculative: Option<DraftOptions>,
+    /// The draft model's file or folder, when a draft model proposes.
+    pub draft_model: Option<std::path::PathBuf>,
     /// The devices of `device`, one name each ("cpu", or "cpu:0", "cpu:1", ...), in layer order.
     pub devices: Vec<String>,
     /// Layers each device of `devices` holds.

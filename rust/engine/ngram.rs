@@ -14,10 +14,12 @@
 
 /// Drafting settings, the same for every sequence of an engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NgramOptions {
+pub struct DraftOptions {
+    /// Whether a draft model proposes (the runner's `DraftModel`) instead of the lookup.
+    pub model: bool,
     /// Most drafts per step.
     pub max_drafts: usize,
-    /// Shortest and longest suffix looked up.
+    /// Shortest and longest suffix looked up (the lookup only).
     pub min_n: usize,
     pub max_n: usize,
     /// Draft only as many as pay for their rows ([`best_draft_len`]); false: every draft
@@ -27,7 +29,7 @@ pub struct NgramOptions {
 
 /// Up to `max` tokens proposed to follow `tokens`: those after the latest earlier occurrence of
 /// its longest suffix of `min_n..=max_n` tokens. Empty when no suffix occurred before.
-pub fn propose(tokens: &[u32], options: &NgramOptions, max: usize, out: &mut Vec<u32>) {
+pub fn propose(tokens: &[u32], options: &DraftOptions, max: usize, out: &mut Vec<u32>) {
     out.clear();
     if max == 0 {
         return;
@@ -184,7 +186,8 @@ impl DraftLength {
 mod tests {
     use super::*;
 
-    const OPTIONS: NgramOptions = NgramOptions {
+    const OPTIONS: DraftOptions = DraftOptions {
+        model: false,
         max_drafts: 4,
         min_n: 1,
         max_n: 3,
@@ -218,7 +221,8 @@ mod tests {
         assert_eq!(drafts(&[1, 2, 3, 4], 4), Vec::<u32>::new());
         assert_eq!(drafts(&[5], 4), Vec::<u32>::new());
         assert_eq!(drafts(&[], 4), Vec::<u32>::new());
-        let long_only = NgramOptions {
+        let long_only = DraftOptions {
+            model: false,
             max_drafts: 4,
             min_n: 2,
             max_n: 3,

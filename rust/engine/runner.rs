@@ -19,6 +19,17 @@ pub struct ModelRunner {
     /// The device memory the CPU backend holds, per device, released when the runner is dropped
     /// (a GPU backend holds its own).
     _memory: Vec<RunnerMemory>,
+    /// Speculative decoding's draft model, when the engine has one.
+    draft: Option<DraftModel>,
+}
+
+/// The smaller model that proposes drafts for the target to verify: its own weights and
+/// workspace, its K/V in the target's pool ([`BlockPool::attach_draft`]), so that the block
+/// tables, the prefix index and the tiers serve both models at once.
+struct DraftModel {
+    model: Model,
+    ws: Vec<Workspace>,
+    _memory: RunnerMemory,
 }
 
 /// Where the forward pass runs.
@@ -159,6 +170,7 @@ impl ModelRunner {
             backend: Backend::Cpu(ws),
             pool,
             _memory: memory,
+            draft: None,
         })
     }
 
@@ -178,7 +190,70 @@ impl ModelRunner {
             backend: Backend::Cuda(Box::new(cuda)),
             pool: compute_threads(threads)?,
             _memory: Vec::new(),
+            draft: None,
         })
+    }
+
+    /// Adds a draft model (same vocabulary, checked by the caller) on a CPU runner of one
+    /// device: its K/V for every block of the pool, a workspace of `max_tokens` rows, and its
+    /// weights, all accounted in `memory` (the device's pool).
+    pub fn attach_draft(
+        &mut self,
+        memory: &MemoryPool,
+        model: Model,
+        max_tokens: usize,
+        threads: usize,
+    ) -> Result<()> {
+        if !matches!(&self.backend, Backend::Cpu(ws) if ws.len() == 1) {
+            return Err(StrataError::invalid(
+                "speculative",
+                "a draft model runs on one CPU device (no CUDA, no layer_split)",
+            ));
+        }
+        let c = &model.config;
+        let layers = c.num_layers;
+        let weights = memory
+            .reserve(
+                Purpose::Weights,
+                model.stage_weight_bytes(0..layers, true, true) as u64,
+            )
+            .map_err(|r| refused("speculative", r))?;
+        self.kv.attach_draft(layers, c.num_kv_heads, c.head_dim)?;
+        let kv = memory
+            .reserve(Purpose::Kv, self.kv.draft_storage_bytes() as u64)
+            .map_err(|r| refused("kv_memory_mib", r))?;
+        let ws = Workspace::new(&model, max_tokens, threads);
+        let workspace = memory
+            .reserve(Purpose::Workspace, (ws.bytes() + model.rope_bytes()) as u64)
+            .map_err(|r| refused("max_batch_tokens", r))?;
+        self.draft = Some(DraftModel {
+            model,
+            ws: vec![ws],
+            _memory: RunnerMemory {
+                _weights: weights,
+                _kv: kv,
+                _workspace: workspace,
+            },
+        });
+        Ok(())
+    }
+
+    /// The draft model's vocabulary size (its logits' row length), when there is one.
+    pub fn draft_vocab(&self) -> Option<usize> {
+        self.draft.as_ref().map(|d| d.model.config.vocab_size)
+    }
+
+    /// One forward step of the draft model over its K/V, on the compute threads.
+    pub fn draft_step(&mut self, batch: &[SeqChunk], out: &mut [f32]) -> Result<usize> {
+        let ModelRunner {
+            kv, pool, draft, ..
+        } = self;
+        let (Some(draft), Some(kv)) = (draft.as_mut(), kv.draft_mut()) else {
+            return Err(StrataError::Internal(
+                "a draft step without a draft model".into(),
+            ));
+        };
+        pool.install(|| draft.model.forward(batch, kv, &mut draft.ws, out))
     }
 
     /// The CPU backend's workspaces, one per device of the split (none on GPUs).

@@ -485,7 +485,7 @@ fn max_of(values: &[f32]) -> f32 {
 /// Greedy pick: the first maximum, so ties go to the lowest id; NaN never compares greater, so it
 /// is skipped; all -inf/NaN (or empty) gives 0. One pass: a block is searched only when its
 /// (vectorized) maximum beats the best so far.
-fn argmax(logits: &[f32]) -> u32 {
+pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
     let mut best_val = f32::NEG_INFINITY;
     for (block_index, block) in logits.chunks(BLOCK).enumerate() {

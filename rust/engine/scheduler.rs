@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use super::ngram::{best_draft_len, propose, NgramOptions, StepCosts};
+use super::ngram::{best_draft_len, propose, DraftOptions, StepCosts};
 use super::sequence::{Output, Sequence};
 use crate::cache::ConversationCache;
 use crate::kv::blocks::BlockPool;
@@ -44,7 +44,7 @@ pub struct Scheduler<O = Output> {
     /// Start of every prefix hash chain: names the model and the K/V format.
     salt: u64,
     /// N-gram drafting, when the engine decodes speculatively.
-    pub ngram: Option<NgramOptions>,
+    pub speculative: Option<DraftOptions>,
     /// Measured decode step times by rows, which decide how many drafts pay.
     pub step_costs: StepCosts,
     pub counters: SchedulerCounters,
@@ -59,10 +59,15 @@ impl<O> Scheduler<O> {
             max_batch_tokens,
             block_size,
             salt,
-            ngram: None,
+            speculative: None,
             step_costs: StepCosts::default(),
             counters: SchedulerCounters::default(),
         }
+    }
+
+    /// Most sequences running at once.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
     }
 
     pub fn is_idle(&self) -> bool {
@@ -261,6 +266,7 @@ impl<O> Scheduler<O> {
         seq.table = hit;
         seq.table.extend(fresh);
         seq.computed = cached;
+        seq.draft_computed = cached;
         seq.window_from = kv.first_kept(cached);
         kv.enter_windows(&seq.table, seq.window_from);
         self.running.push(seq);
@@ -309,13 +315,18 @@ impl<O> Scheduler<O> {
     ) -> usize {
         let seq = &mut self.running[i];
         seq.drafts.clear();
-        let (Some(options), Some(drafting)) = (self.ngram, seq.drafting.as_mut()) else {
+        let (Some(options), Some(drafting)) = (self.speculative, seq.drafting.as_mut()) else {
             return 0;
         };
         // Every draft accepted, plus the token after them, must fit the sequence's length.
         let fits = seq.max_len.saturating_sub(seq.tokens.len() + 1);
         let max = drafting.take().min(room).min(fits);
-        propose(&seq.tokens, &options, max, &mut seq.drafts);
+        if options.model {
+            // The draft model fills them in before the step's forward (`EngineCore::propose`).
+            seq.drafts.resize(max, 0);
+        } else {
+            propose(&seq.tokens, &options, max, &mut seq.drafts);
+        }
         if options.adaptive {
             let n = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
             seq.drafts.truncate(n);
@@ -347,6 +358,7 @@ impl<O> Scheduler<O> {
         seq.window_from = 0;
         seq.drafts.clear();
         seq.computed = 0;
+        seq.draft_computed = 0;
         seq.registered = 0;
         self.counters.preemptions += 1;
         self.waiting.push_front(seq);
@@ -783,7 +795,8 @@ mod tests {
         let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         let mut q = seq(0, prompt.to_vec());
         if drafting {
-            s.ngram = Some(NgramOptions {
+            s.speculative = Some(DraftOptions {
+                model: false,
                 max_drafts: 4,
                 min_n: 1,
                 max_n: 3,

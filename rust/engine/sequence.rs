@@ -45,6 +45,9 @@ pub struct Sequence<O = Output> {
     pub drafts: Vec<u32>,
     /// The pending token followed by `drafts`.
     pub fed: Vec<u32>,
+    /// Tokens whose draft-model K/V is in the pool (with a draft model; `<= computed` between
+    /// steps, except that a draft-model proposal runs ahead of it within a step).
+    pub draft_computed: usize,
     /// Times admitted (more than once after a preemption).
     pub admissions: u32,
     /// What makes its response; the scheduler never reads it.
@@ -89,6 +92,7 @@ impl<O> Sequence<O> {
             drafting: None,
             drafts: Vec::new(),
             fed: Vec::new(),
+            draft_computed: 0,
             admissions: 0,
             out,
         }

@@ -10,7 +10,9 @@
 //! row `p % block_size`. Blocks are reference-counted so that sequences can share a prefix, and
 //! full blocks can be indexed by their prefix hash ([`PrefixIndex`]) so that a block nobody holds
 //! keeps its K/V until the space is needed. Sliding-window layers may keep theirs in fewer
-//! slots ([`crate::kv::window`]): a block has one only while a window still reaches it.
+//! slots ([`crate::kv::window`]): a block has one only while a window still reaches it. A
+//! speculative draft model keeps its own layers' K/V of the same blocks ([`BlockPool::attach_draft`]):
+//! one table, one prefix index, and the tiers move both models' parts of a block together.
 
 use crate::error::{Result, StrataError};
 use crate::kv::prefix::{Evicted, PrefixIndex};
@@ -308,6 +310,9 @@ pub struct BlockPool {
     prefix: PrefixIndex,
     /// The sliding-window layers' slots, when they have fewer rows than the pool has blocks.
     window: Option<WindowSlots>,
+    /// A draft model's K/V of the same blocks (its own layers and shape), addressed by this
+    /// pool's block ids; only its arrays are used, the bookkeeping is this pool's.
+    draft: Option<Box<BlockPool>>,
 }
 
 impl BlockPool {
@@ -483,7 +488,41 @@ impl BlockPool {
             free: (0..num_blocks as u32).rev().collect(),
             prefix: PrefixIndex::new(num_blocks),
             window: None,
+            draft: None,
         }
+    }
+
+    /// Gives a host pool the K/V arrays of a draft model (`layers` layers of `kv_heads` x
+    /// `head_dim`, in this pool's dtype) for every block; a block's bytes then carry both
+    /// models' parts ([`BlockPool::read_block`]).
+    pub fn attach_draft(&mut self, layers: usize, kv_heads: usize, head_dim: usize) -> Result<()> {
+        if !self.is_host() {
+            return Err(StrataError::invalid(
+                "speculative",
+                "a draft model runs on the CPU backend only",
+            ));
+        }
+        let pool = BlockPool::new(
+            layers,
+            self.num_blocks,
+            self.block_size,
+            kv_heads,
+            head_dim,
+            self.kv_dtype,
+        )?;
+        self.draft = Some(Box::new(pool));
+        Ok(())
+    }
+
+    /// The draft model's K/V, when a draft model is attached: the pool its forward pass writes
+    /// and reads, with this pool's block tables.
+    pub fn draft_mut(&mut self) -> Option<&mut BlockPool> {
+        self.draft.as_deref_mut()
+    }
+
+    /// Bytes of one block of the draft model's K/V (0 without one).
+    fn draft_block_bytes(&self) -> usize {
+        self.draft.as_ref().map_or(0, |d| d.bytes_per_block())
     }
 
     /// Whether the blocks live in host memory (the CPU forward pass's pool).
@@ -658,6 +697,11 @@ impl BlockPool {
             .sum()
     }
 
+    /// Bytes the draft model's K and V arrays hold (0 without one).
+    pub fn draft_storage_bytes(&self) -> usize {
+        self.draft.as_ref().map_or(0, |d| d.storage_bytes())
+    }
+
     /// Bytes device `stage`'s K and V arrays hold: `num_blocks() * part_bytes(stage)`.
     pub fn stage_storage_bytes(&self, stage: usize) -> usize {
         match &self.store {
@@ -676,8 +720,9 @@ impl BlockPool {
         self.stages.last().map_or(0, |r| r.end)
     }
 
-    /// Bytes of one block's K/V across all layers, as `read_block` lays them out (with window
-    /// slots, one more: whether the sliding layers' part is there).
+    /// Bytes of one block's K/V across all layers, as `read_block` lays them out (a draft
+    /// model's part after them; with window slots, one more: whether the sliding layers' part
+    /// is there).
     pub fn bytes_per_block(&self) -> usize {
         Self::block_bytes(
             self.num_layers(),
@@ -685,7 +730,8 @@ impl BlockPool {
             self.kv_heads,
             self.head_dim,
             self.kv_dtype,
-        ) + usize::from(self.window.is_some())
+        ) + self.draft_block_bytes()
+            + usize::from(self.window.is_some())
     }
 
     /// Bytes of one block's K/V on device `stage` (its layers only).
@@ -711,14 +757,20 @@ impl BlockPool {
 
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
-    /// layer order, so the layout is the same whatever the split. With window slots, a block
-    /// without one has zeros for the sliding layers, and the last byte says which (1: there).
-    /// Host blocks always copy; a device's copy can fail (the caller skips that move).
+    /// layer order, so the layout is the same whatever the split; a draft model's part follows.
+    /// With window slots, a block without one has zeros for the sliding layers, and the last
+    /// byte says which (1: there). Host blocks always copy; a device's copy can fail (the
+    /// caller skips that move).
     pub fn read_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
         let mut at = 0;
         for stage in 0..self.stages.len() {
             let n = self.part_bytes(stage);
             self.read_block_part(stage, block, &mut out[at..at + n])?;
+            at += n;
+        }
+        if let Some(d) = &self.draft {
+            let n = d.bytes_per_block();
+            d.read_block(block, &mut out[at..at + n])?;
             at += n;
         }
         if let Some(w) = &self.window {
@@ -772,6 +824,10 @@ impl BlockPool {
             let n = self.part_bytes(stage);
             self.write_block_part(stage, block, &data[at..at + n])?;
             at += n;
+        }
+        if let Some(d) = self.draft.as_mut() {
+            let n = d.bytes_per_block();
+            d.write_block(block, &data[at..at + n])?;
         }
         Ok(())
     }
@@ -1191,6 +1247,30 @@ mod tests {
             pool.read_block(2, &mut again).expect("a host read");
             assert_eq!(bytes, again);
         }
+    }
+
+    #[test]
+    fn a_draft_models_part_follows_the_targets_in_a_blocks_bytes() {
+        // Target: 1 layer of 1 head x 2; draft: 2 layers of 2 heads x 4; blocks of 2 rows.
+        let mut pool = BlockPool::new(1, 3, 2, 1, 2, KvDtype::F32).unwrap();
+        let target = pool.bytes_per_block();
+        pool.attach_draft(2, 2, 4).unwrap();
+        let draft = BlockPool::block_bytes(2, 2, 2, 4, KvDtype::F32);
+        assert_eq!(pool.bytes_per_block(), target + draft);
+        assert_eq!(pool.draft_storage_bytes(), 3 * draft);
+        pool.write(0, 2, &[1.0, 2.0], &[3.0, 4.0]);
+        let row: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let d = pool.draft_mut().unwrap();
+        d.write(1, 3, &row, &row);
+        let mut bytes = vec![0u8; target + draft];
+        pool.read_block(1, &mut bytes).unwrap();
+        pool.write_block(2, &bytes).unwrap();
+        // Block 2 (slots 4, 5) holds what block 1 (slots 2, 3) held, in both models.
+        assert_eq!(pool.layer(0).k_at(4, 0, 1), 2.0);
+        assert_eq!(pool.layer(0).v_at(4, 0, 0), 3.0);
+        let d = pool.draft_mut().unwrap().layer(1);
+        assert_eq!((d.k_at(5, 1, 3), d.v_at(5, 1, 2)), (7.0, 6.0));
+        assert_eq!(d.k_at(4, 1, 3), 0.0);
     }
 
     /// Layer 0 slides (window 8, blocks of 4: a token reads at most 3 blocks) in 4 slots; layer

@@ -39,6 +39,22 @@ pub fn string(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     }
 }
 
+/// A str or an `os.PathLike` (a path given either way): an InvalidRequest naming `field` for
+/// anything else.
+pub fn string_or_path(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
+    if v.cast::<PyString>().is_err() {
+        if let Ok(p) = v.extract::<std::path::PathBuf>() {
+            return Ok(p.to_string_lossy().into_owned());
+        }
+    }
+    string(field, v).map_err(|_| {
+        bad(
+            field,
+            format!("must be a string or a path, got {}", type_name(v)),
+        )
+    })
+}
+
 /// A Python int (never a bool) of at least `min`.
 pub fn int(field: &str, v: &Bound<'_, PyAny>, min: i64) -> PyResult<usize> {
     if v.is_instance_of::<PyBool>() || !v.is_instance_of::<PyInt>() {

@@ -256,7 +256,7 @@ impl PyEngine {
             bf16_dot,
             max_context: usize_arg(max_context, "max_context")?,
             speculative: speculative
-                .map(|v| args::string("speculative", v))
+                .map(|v| args::string_or_path("speculative", v))
                 .transpose()?,
             num_speculative_tokens: usize_arg(
                 Some(num_speculative_tokens),
@@ -553,10 +553,18 @@ impl PyEngine {
         match &i.speculative {
             Some(o) => {
                 let spec = PyDict::new(py);
-                spec.set_item("method", "ngram")?;
+                match &i.draft_model {
+                    Some(path) => {
+                        spec.set_item("method", "draft_model")?;
+                        spec.set_item("draft_model", path.to_string_lossy())?;
+                    }
+                    None => {
+                        spec.set_item("method", "ngram")?;
+                        spec.set_item("ngram_min", o.min_n)?;
+                        spec.set_item("ngram_max", o.max_n)?;
+                    }
+                }
                 spec.set_item("num_speculative_tokens", o.max_drafts)?;
-                spec.set_item("ngram_min", o.min_n)?;
-                spec.set_item("ngram_max", o.max_n)?;
                 spec.set_item("adaptive", o.adaptive)?;
                 d.set_item("speculative", spec)?;
             }
