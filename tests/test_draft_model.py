@@ -73,6 +73,7 @@ async def test_a_draft_model_gives_the_output_of_plain_decoding(
     same, same_stats = await outputs(model, [PROMPT], [GREEDY], **drafting(model))
     assert same[0].token_ids == plain[0].token_ids
     assert same_stats["spec_draft_tokens"] == same_stats["spec_accepted_tokens"] == 76
+    assert (same[0].usage.draft_tokens, same[0].usage.accepted_draft_tokens) == (76, 76)
     # One prefill step, then 19 steps of 5 tokens (the last token and 4 drafts).
     assert (plain_stats["steps"], same_stats["steps"]) == (96, 20)
     # A one-layer draft of the same family: another model, whose drafts are often rejected.

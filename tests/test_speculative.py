@@ -67,6 +67,10 @@ async def test_greedy_drafts_give_the_output_of_plain_decoding(
     assert drafted[0].token_ids == plain[0].token_ids
     assert drafted[0].text == plain[0].text
     assert plain_stats["spec_draft_tokens"] == 0
+    # The response counts its own drafts (the engine's only request here).
+    assert drafted[0].usage.draft_tokens == stats["spec_draft_tokens"]
+    assert drafted[0].usage.accepted_draft_tokens == stats["spec_accepted_tokens"]
+    assert plain[0].usage.draft_tokens == 0
     # The path under test ran: drafts were proposed, some accepted, and steps were saved.
     assert stats["spec_draft_tokens"] > 0
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]
@@ -278,6 +282,12 @@ async def test_the_server_counts_drafts_and_takes_the_per_request_switch(
         assert on.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
         s = engine.stats()
         assert s["spec_accepted_tokens"] > 0
+        # The request's drafts, as OpenAI counts predicted tokens; none for the opted-out one.
+        assert on.json()["usage"]["completion_tokens_details"] == {
+            "accepted_prediction_tokens": s["spec_accepted_tokens"],
+            "rejected_prediction_tokens": s["spec_draft_tokens"] - s["spec_accepted_tokens"],
+        }
+        assert "completion_tokens_details" not in off.json()["usage"]
         metrics = (await client.get("/metrics")).text
         bad = await client.post("/v1/completions", json={**body, "speculative": "yes"})
     await engine.close()

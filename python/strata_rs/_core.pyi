@@ -256,6 +256,12 @@ class Usage:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens whose K/V came from the cache instead of a prefill."""
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens proposed for the request (speculative decoding), summed over choices."""
+    @property
+    def accepted_draft_tokens(self) -> int:
+        """Of `draft_tokens`, those accepted."""
 
 @final
 class StreamChunk:

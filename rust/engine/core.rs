@@ -31,6 +31,8 @@ struct RequestState {
     prompt_tokens: usize,
     completion_tokens: usize,
     cached_tokens: usize,
+    draft_tokens: usize,
+    accepted_draft_tokens: usize,
     /// Still counted against `max_waiting` (no choice admitted yet).
     queued: bool,
 }
@@ -184,6 +186,8 @@ impl EngineCore {
                 prompt_tokens: req.prompt.len(),
                 completion_tokens: 0,
                 cached_tokens: 0,
+                draft_tokens: 0,
+                accepted_draft_tokens: 0,
                 queued: true,
             },
         );
@@ -587,6 +591,10 @@ impl EngineCore {
                     d.update(proposed, accepted, max_drafts);
                 }
                 self.local.record_drafts(proposed, accepted);
+                if let Some(r) = self.requests.get_mut(&seq.out.request_id) {
+                    r.draft_tokens += proposed;
+                    r.accepted_draft_tokens += accepted;
+                }
                 // A draft model was fed every draft but the last: its K/V holds the accepted
                 // ones among them.
                 let fed = accepted.min(proposed - 1);
@@ -639,6 +647,8 @@ impl EngineCore {
                     prompt_tokens: req.prompt_tokens,
                     completion_tokens: req.completion_tokens,
                     cached_tokens: req.cached_tokens,
+                    draft_tokens: req.draft_tokens,
+                    accepted_draft_tokens: req.accepted_draft_tokens,
                 });
                 if req.queued {
                     self.queued.fetch_sub(1, Ordering::Relaxed);

@@ -256,6 +256,9 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens whose K/V came from the cache instead of a prefill.
     pub cached_tokens: usize,
+    /// Draft tokens proposed and accepted (speculative decoding), summed over choices.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
 }
 
 /// The log-probability of one generated token and its most likely alternatives.

@@ -21,14 +21,22 @@ pub struct PyUsage {
     pub completion_tokens: usize,
     /// Prompt tokens whose K/V came from the cache.
     pub cached_tokens: usize,
+    /// Draft tokens proposed and accepted (speculative decoding), summed over choices.
+    pub draft_tokens: usize,
+    pub accepted_draft_tokens: usize,
 }
 
 #[pymethods]
 impl PyUsage {
     fn __repr__(&self) -> String {
         format!(
-            "Usage(prompt_tokens={}, completion_tokens={}, cached_tokens={})",
-            self.prompt_tokens, self.completion_tokens, self.cached_tokens
+            "Usage(prompt_tokens={}, completion_tokens={}, cached_tokens={}, draft_tokens={}, \
+             accepted_draft_tokens={})",
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.cached_tokens,
+            self.draft_tokens,
+            self.accepted_draft_tokens
         )
     }
 }
@@ -39,6 +47,8 @@ impl From<Usage> for PyUsage {
             prompt_tokens: u.prompt_tokens,
             completion_tokens: u.completion_tokens,
             cached_tokens: u.cached_tokens,
+            draft_tokens: u.draft_tokens,
+            accepted_draft_tokens: u.accepted_draft_tokens,
         }
     }
 }

@@ -615,6 +615,15 @@ def _response_schemas() -> dict[str, dict[str, Any]]:
                     "required": ["cached_tokens"],
                     "properties": {"cached_tokens": count},
                 },
+                # Only for a request that decoded with drafts (--speculative).
+                "completion_tokens_details": {
+                    "type": "object",
+                    "required": ["accepted_prediction_tokens", "rejected_prediction_tokens"],
+                    "properties": {
+                        "accepted_prediction_tokens": count,
+                        "rejected_prediction_tokens": count,
+                    },
+                },
             },
         },
         "ChatCompletion": completion_object(

@@ -569,13 +569,23 @@ def parse_completion(body: Mapping[str, Any], served: str) -> GenerationRequest:
 # ---- responses ---------------------------------------------------------------------------------
 
 
-def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {
+def usage_body(
+    prompt: int, completion: int, cached: int, drafts: int = 0, accepted: int = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; a request that decoded with drafts also gets OpenAI's counts of
+    predicted tokens (`completion_tokens_details`), which drafts are."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if drafts > 0:
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafts - accepted,
+        }
+    return body
 
 
 def sum_usage(usages: Sequence[Usage | None]) -> dict[str, Any]:
@@ -584,6 +594,8 @@ def sum_usage(usages: Sequence[Usage | None]) -> dict[str, Any]:
         sum(u.prompt_tokens for u in got),
         sum(u.completion_tokens for u in got),
         sum(u.cached_tokens for u in got),
+        sum(u.draft_tokens for u in got),
+        sum(u.accepted_draft_tokens for u in got),
     )
 
 
