@@ -16,16 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 from strata_rs import Engine, InvalidRequest, ModelLoadError
+from test_speculative import FAMILIES, GREEDY, PROMPT, load, outputs
 
 pytestmark = pytest.mark.anyio
 
 MakeModel = Callable[..., Path]
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "phi3"]
-GREEDY: dict[str, Any] = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
-PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
 
 
 def drafting(draft: Path, **options: Any) -> dict[str, Any]:
@@ -37,30 +34,6 @@ def drafting(draft: Path, **options: Any) -> dict[str, Any]:
         "speculative_adaptive": False,
         **options,
     }
-
-
-async def load(model: Path, **options: Any) -> Engine:
-    options = {"host_cache_mib": 0, "disk_cache_mib": 0, **options}
-    return await Engine.load(model, **options)
-
-
-async def outputs(
-    model: Path, prompts: list[list[int]], params: list[dict[str, Any]], **options: Any
-) -> tuple[list[Any], dict[str, Any]]:
-    """Each prompt's completion (submitted together), and the engine's stats after them."""
-    engine = await load(model, **options)
-    try:
-        results: list[Any] = [None] * len(prompts)
-
-        async def one(i: int) -> None:
-            results[i] = await engine.complete(prompts[i], **params[i])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        return results, dict(engine.stats())
-    finally:
-        await engine.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
