@@ -186,6 +186,8 @@ async def test_info_shows_the_draft_model(model_dir: MakeModel) -> None:
         assert engine.info["speculative"] == {
             "method": "draft_model",
             "draft_model": str(model),
+            "draft_dtype": "f32",
+            "draft_num_layers": 2,
             "num_speculative_tokens": 3,
             "adaptive": True,
         }
@@ -193,6 +195,22 @@ async def test_info_shows_the_draft_model(model_dir: MakeModel) -> None:
         assert engine.info["kv_block_bytes"] == 2 * plain_block
     finally:
         await engine.close()
+
+
+async def test_quantize_on_load_applies_to_a_draft_folder(model_dir: MakeModel) -> None:
+    model = model_dir("llama", "bf16")
+    draft = model_dir("llama", "bf16", num_hidden_layers=1)
+    q8 = {"quantize": "q8_0"}
+    plain, _ = await outputs(model, [PROMPT], [GREEDY], **q8)
+    engine = await load(model, **q8, **drafting(draft))
+    try:
+        assert engine.info["speculative"]["draft_dtype"] == "q8_0"
+        assert engine.info["speculative"]["draft_num_layers"] == 1
+        drafted = await engine.complete(PROMPT, **GREEDY)
+        assert engine.stats()["spec_draft_tokens"] > 0
+    finally:
+        await engine.close()
+    assert drafted.token_ids == plain[0].token_ids
 
 
 async def test_a_gguf_cut_to_its_first_layer_drafts_for_it(

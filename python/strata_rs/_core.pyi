@@ -562,7 +562,8 @@ class Engine:
         faster), fewer after rejections, none for a while after a run of them;
         speculative_adaptive=False drafts whatever lookup proposes (for tests and
         measurements). A path instead of "ngram" names a draft model (a GGUF file or a model
-        folder, with the target's tokenizer token for token): it proposes its greedy picks,
+        folder, with the target's tokenizer token for token; `quantize` and `bf16_dot` apply to
+        it as to the target): it proposes its greedy picks,
         its K/V kept in the target's blocks (prefix cache, tiers and restarts serve both), and
         it runs over every token the target computes (CPU, one device; the sliding-window
         layers' slots are not used beside it). A request's `speculative=False` opts out of

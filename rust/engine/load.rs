@@ -16,8 +16,8 @@ use super::scheduler::Scheduler;
 use super::stats::EngineStats;
 use super::structured::Grammars;
 use super::{
-    cuda_kv_refusal, serve, Engine, EngineInfo, EngineOptions, BLOCK_SIZE, MAX_SPECULATIVE_TOKENS,
-    MAX_THREADS,
+    cuda_kv_refusal, serve, DraftInfo, Engine, EngineInfo, EngineOptions, BLOCK_SIZE,
+    MAX_SPECULATIVE_TOKENS, MAX_THREADS,
 };
 use crate::cache::disk::BlockLayout;
 use crate::cache::ram_gate::RamGate;
@@ -216,7 +216,7 @@ fn load_model(dir: &Path, opts: &EngineOptions, setup: &Setup) -> Result<Loaded>
                     "a draft model runs on one CPU device (no CUDA, no layer_split)",
                 ));
             }
-            Some(load_draft(Path::new(path), &tokenizer)?)
+            Some(load_draft(Path::new(path), &tokenizer, opts, setup)?)
         }
         _ => None,
     };
@@ -229,13 +229,23 @@ fn load_model(dir: &Path, opts: &EngineOptions, setup: &Setup) -> Result<Loaded>
     })
 }
 
-/// A draft model for speculative decoding, from any source the target could load, interleaved
-/// for the CPU's kernels; its vocabulary must be the target's token for token, since its drafts
-/// are the target's token ids.
-fn load_draft(path: &Path, target: &Tokenizer) -> Result<(ModelSource, Model)> {
+/// A draft model for speculative decoding, from any source the target could load, with the
+/// target's weight options (a Hugging Face folder quantized as `quantize` says, bf16 dot
+/// products as `bf16_dot` says) and interleaved for the CPU's kernels; its vocabulary must be
+/// the target's token for token, since its drafts are the target's token ids.
+fn load_draft(
+    path: &Path,
+    target: &Tokenizer,
+    opts: &EngineOptions,
+    setup: &Setup,
+) -> Result<(ModelSource, Model)> {
     let source = ModelSource::locate(path)?;
     let mut model = Model::load_source(&source, 0)?;
+    if let (Some(ty), ModelSource::Folder(_)) = (setup.quantize, &source) {
+        model.quantize(ty)?;
+    }
     model.interleave_for_cpu();
+    model.bf16_dot = opts.bf16_dot && matmul_bf16dot::available() && model.has_bf16_matrix();
     let tokenizer = Tokenizer::load(source.path())?;
     let differs = |why: String| {
         StrataError::invalid(
@@ -388,12 +398,15 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     // The draft model's K/V is part of every block: another draft, another format.
     let salt = match &loaded.draft {
         Some((source, draft)) => {
+            let quantize = setup
+                .quantize
+                .filter(|_| matches!(source, ModelSource::Folder(_)));
             let f = fingerprint(
                 source,
                 &draft.config,
                 kv_dtype,
-                None,
-                false,
+                quantize,
+                draft.bf16_dot,
                 max_context,
                 false,
             );
@@ -593,7 +606,11 @@ fn build_and_spawn(
             kv_dtype,
         )?,
     };
-    let draft_model = draft.as_ref().map(|(s, _)| s.path().to_path_buf());
+    let draft_model = draft.as_ref().map(|(s, d)| DraftInfo {
+        path: s.path().to_path_buf(),
+        dtype: d.dtype.name(),
+        num_layers: d.config.num_layers,
+    });
     if let (Some((_, d)), Some(memory)) = (draft, memory.first()) {
         // A draft forward feeds the step's tokens and, per sequence, what it has not fed since
         // its last full block: fewer than a block plus the pending token

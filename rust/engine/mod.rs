@@ -126,6 +126,16 @@ impl Default for EngineOptions {
     }
 }
 
+/// What a draft model is (`EngineInfo::draft_model`).
+#[derive(Clone, Debug)]
+pub struct DraftInfo {
+    /// Its file or folder.
+    pub path: std::path::PathBuf,
+    /// Its weights' type as they run (after `quantize`).
+    pub dtype: &'static str,
+    pub num_layers: usize,
+}
+
 /// What a loaded engine is: shown by `info` and used to validate requests before they queue.
 #[derive(Clone, Debug)]
 pub struct EngineInfo {
@@ -158,8 +168,8 @@ pub struct EngineInfo {
     pub kv_block_bytes: usize,
     /// Speculative decoding's drafts (by lookup or by a draft model), if on.
     pub speculative: Option<DraftOptions>,
-    /// The draft model's file or folder, when a draft model proposes.
-    pub draft_model: Option<std::path::PathBuf>,
+    /// The draft model, when one proposes.
+    pub draft_model: Option<DraftInfo>,
     /// The devices of `device`, one name each ("cpu", or "cpu:0", "cpu:1", ...), in layer order.
     pub devices: Vec<String>,
     /// Layers each device of `devices` holds.

@@ -554,9 +554,11 @@ impl PyEngine {
             Some(o) => {
                 let spec = PyDict::new(py);
                 match &i.draft_model {
-                    Some(path) => {
+                    Some(draft) => {
                         spec.set_item("method", "draft_model")?;
-                        spec.set_item("draft_model", path.to_string_lossy())?;
+                        spec.set_item("draft_model", draft.path.to_string_lossy())?;
+                        spec.set_item("draft_dtype", draft.dtype)?;
+                        spec.set_item("draft_num_layers", draft.num_layers)?;
                     }
                     None => {
                         spec.set_item("method", "ngram")?;
