@@ -106,11 +106,13 @@ async def turn_two(engine: Engine, first: Any, prompt: list[int]) -> Any:
     return await engine.complete(prompt + first.token_ids + [12, 13, 5, 6, 7], **GREEDY)
 
 
-async def test_the_draft_k_v_travels_with_the_host_tier(model_dir: MakeModel) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+async def test_the_draft_k_v_travels_with_the_host_tier(model_dir: MakeModel, family: str) -> None:
     """Turn two of a conversation, its history restored from the host tier (the device pool is
     too small to keep it): the output of a cold engine, and every draft of the target as its
-    own draft accepted, so the restored blocks carried the draft's K/V too."""
-    model = model_dir("llama")
+    own draft accepted, so the restored blocks carried the draft's K/V too (on Gemma 3 beside
+    the window slots' presence byte)."""
+    model = model_dir(family)
     first, _ = await outputs(model, [PROMPT], [GREEDY])
     history = PROMPT + first[0].token_ids + [12, 13, 5, 6, 7]
     cold, _ = await outputs(model, [history], [GREEDY])
@@ -267,3 +269,20 @@ async def test_a_draft_with_another_tokenizer_is_refused(
     assert str(split.value) == (
         "speculative: a draft model runs on one CPU device (no CUDA, no layer_split)"
     )
+
+
+async def test_a_windowed_target_keeps_its_window_slots_beside_a_draft(
+    model_dir: MakeModel,
+) -> None:
+    """Gemma 3 (window 8 on its sliding layers) with itself as the draft: the target's sliding
+    layers run through window slots while the draft keeps every block, far past the window, in
+    prefill chunks of 7; every draft accepted and the plain output."""
+    model = model_dir("gemma3", max_position_embeddings=4096)
+    params = {**GREEDY, "max_tokens": 120}
+    small = {"max_batch_tokens": 7}
+    plain, plain_stats = await outputs(model, [PROMPT * 3], [params], **small)
+    same, stats = await outputs(model, [PROMPT * 3], [params], **small, **drafting(model))
+    assert same[0].token_ids == plain[0].token_ids
+    assert stats["kv_window_slots_total"] > 0 and plain_stats["kv_window_slots_total"] > 0
+    assert stats["kv_window_slots_passed"] > 0
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0

@@ -563,12 +563,10 @@ class Engine:
         speculative_adaptive=False drafts whatever lookup proposes (for tests and
         measurements). A path instead of "ngram" names a draft model (a GGUF file or a model
         folder, with the target's tokenizer token for token; `quantize` and `bf16_dot` apply to
-        it as to the target): it proposes its greedy picks,
-        its K/V kept in the target's blocks (prefix cache, tiers and restarts serve both), and
-        it runs over every token the target computes (CPU, one device; the sliding-window
-        layers' slots are not used beside it). A request's `speculative=False` opts out of
-        drafting. info["speculative"] shows the settings; stats() counts drafts and
-        acceptances.
+        it as to the target): it proposes its greedy picks, its K/V kept in the target's blocks
+        (prefix cache, tiers and restarts serve both), and it runs over every token the target
+        computes (CPU, one device). A request's `speculative=False` opts out of drafting.
+        info["speculative"] shows the settings; stats() counts drafts and acceptances.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

@@ -356,14 +356,13 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
     let on_gpus = setup.gpus.is_some();
     #[cfg(not(feature = "cuda"))]
     let on_gpus = false;
-    let (kv_blocks, kv_window) = match on_gpus || loaded.draft.is_some() {
-        // The CUDA runner's tables address every layer by block: its pool keeps every position;
-        // so does a pool that holds a draft model's K/V beside the target's.
+    let (kv_blocks, kv_window) = match on_gpus {
+        // The CUDA runner's tables address every layer by block: its pool keeps every position.
         true => {
             if loaded.model.config.sliding_window.is_some() {
                 log::info!(
-                    "sliding-window layers keep every position's K/V (window slots are CPU-only \
-                     and not used beside a draft model for now)"
+                    "sliding-window layers keep every position's K/V on CUDA (window slots are \
+                     CPU-only for now)"
                 );
             }
             (kv_blocks, None)
@@ -372,7 +371,7 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
             opts,
             &loaded.model.config,
             kv_blocks,
-            block_bytes,
+            (block_bytes, draft_bytes),
             max_context,
         ),
     };
@@ -447,13 +446,16 @@ const DEFAULT_KV_BYTES: usize = 2048 << 20;
 /// the others, up to kv_memory_mib, or without it up to max_context's blocks within the default
 /// cap (at most as many blocks as one layer alone would get, for a model whose every layer
 /// slides). Blocks that device_memory_mib fitted beside the weights stay as they are.
+///
+/// `bytes`: a block's bytes, and of them the draft model's part (which keeps every block).
 fn window_slots(
     opts: &EngineOptions,
     config: &ModelConfig,
     kv_blocks: usize,
-    block_bytes: usize,
+    bytes: (usize, usize),
     max_context: usize,
 ) -> (usize, Option<WindowLayout>) {
+    let (block_bytes, draft_bytes) = bytes;
     let Some(window) = config.sliding_window else {
         return (kv_blocks, None);
     };
@@ -473,7 +475,7 @@ fn window_slots(
             blocks,
         )
     };
-    let per_layer = block_bytes / config.num_layers.max(1);
+    let per_layer = (block_bytes - draft_bytes) / config.num_layers.max(1);
     let (budget, wanted) = match (opts.kv_memory_mib, opts.device_memory_mib.is_some()) {
         (Some(_), _) => (kv_blocks.saturating_mul(block_bytes), usize::MAX),
         (None, true) => (kv_blocks.saturating_mul(block_bytes), kv_blocks),
@@ -482,7 +484,7 @@ fn window_slots(
     let (full, sliding) = (config.num_layers - windowed, windowed);
     let held = slots(usize::MAX).saturating_mul(sliding * per_layer);
     let blocks = match budget.checked_sub(held) {
-        Some(rest) if rest > 0 => (rest / (full * per_layer).max(1))
+        Some(rest) if rest > 0 => (rest / (full * per_layer + draft_bytes).max(1))
             .min(wanted)
             .clamp(kv_blocks, kv_blocks.saturating_mul(config.num_layers)),
         _ => kv_blocks,
