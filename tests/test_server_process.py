@@ -537,3 +537,23 @@ def test_serve_without_a_model_runs_the_demo_model() -> None:
         assert any("serving the demo model SmolLM2-135M-Instruct" in x for x in s.lines)
     finally:
         assert s.stop() == 0
+
+
+def test_serve_drafts_with_a_draft_model(model_dir: MakeModel) -> None:
+    """`strata-rs serve --speculative PATH`: the target as its own draft, through the real
+    `openai` client; the usage counts the drafts as OpenAI's predicted tokens."""
+    model = str(model_dir("llama"))
+    flags = ("--speculative", model, "--no-speculative-adaptive")
+    s = Server(serve_argv("--model", model, *flags))
+    try:
+        s.wait_healthy()
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(
+            model=Path(model).name, prompt="hello", max_tokens=21, temperature=0
+        )
+        details = r.usage.completion_tokens_details if r.usage else None
+        # One token from the prefill, then 4 steps of the pending token and 4 drafts.
+        assert details is not None
+        assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (16, 0)
+    finally:
+        assert s.stop() == 0
