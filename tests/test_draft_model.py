@@ -264,6 +264,9 @@ async def test_a_draft_with_another_tokenizer_is_refused(
     with pytest.raises(ModelLoadError) as missing:
         await load(model, speculative=tmp_path / "absent.gguf")
     assert str(missing.value) == f"{tmp_path / 'absent.gguf'}: not found"
+    with pytest.raises(InvalidRequest) as typed:
+        await load(model, speculative=5)
+    assert str(typed.value) == "speculative: must be a string or a path, got int"
     with pytest.raises(InvalidRequest) as split:
         await load(model, speculative=model, device="cpu:0,1")
     assert str(split.value) == (

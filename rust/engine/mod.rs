@@ -164,7 +164,7 @@ pub struct EngineInfo {
     /// The start of every prefix hash chain (`kv::prefix::extend_hashes`): the model and the
     /// K/V format's fingerprint.
     pub prefix_salt: u64,
-    /// Bytes of K/V one block holds (all layers).
+    /// Bytes of K/V one block holds (all layers; a draft model's too).
     pub kv_block_bytes: usize,
     /// Speculative decoding's drafts (by lookup or by a draft model), if on.
     pub speculative: Option<DraftOptions>,

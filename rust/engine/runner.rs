@@ -194,9 +194,9 @@ impl ModelRunner {
         })
     }
 
-    /// Adds a draft model (same vocabulary, checked by the caller) on a CPU runner of one
-    /// device: its K/V for every block of the pool, a workspace of `max_tokens` rows, and its
-    /// weights, all accounted in `memory` (the device's pool).
+    /// Adds a draft model (same vocabulary, and a CPU runner of one device: both checked by the
+    /// caller, `load::load_model`): its K/V for every block of the pool, a workspace of
+    /// `max_tokens` rows, and its weights, all accounted in `memory` (the device's pool).
     pub fn attach_draft(
         &mut self,
         memory: &MemoryPool,
@@ -205,9 +205,8 @@ impl ModelRunner {
         threads: usize,
     ) -> Result<()> {
         if !matches!(&self.backend, Backend::Cpu(ws) if ws.len() == 1) {
-            return Err(StrataError::invalid(
-                "speculative",
-                "a draft model runs on one CPU device (no CUDA, no layer_split)",
+            return Err(StrataError::Internal(
+                "a draft model for a runner that is not one CPU device".into(),
             ));
         }
         let c = &model.config;

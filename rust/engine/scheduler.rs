@@ -43,7 +43,8 @@ pub struct Scheduler<O = Output> {
     block_size: usize,
     /// Start of every prefix hash chain: names the model and the K/V format.
     salt: u64,
-    /// N-gram drafting, when the engine decodes speculatively.
+    /// Drafting settings (n-gram lookup or a draft model), when the engine decodes
+    /// speculatively.
     pub speculative: Option<DraftOptions>,
     /// Measured decode step times by rows, which decide how many drafts pay.
     pub step_costs: StepCosts,

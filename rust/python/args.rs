@@ -42,17 +42,17 @@ pub fn string(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
 /// A str or an `os.PathLike` (a path given either way): an InvalidRequest naming `field` for
 /// anything else.
 pub fn string_or_path(field: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
-    if v.cast::<PyString>().is_err() {
-        if let Ok(p) = v.extract::<std::path::PathBuf>() {
-            return Ok(p.to_string_lossy().into_owned());
-        }
+    if v.cast::<PyString>().is_ok() {
+        return string(field, v);
     }
-    string(field, v).map_err(|_| {
-        bad(
-            field,
-            format!("must be a string or a path, got {}", type_name(v)),
-        )
-    })
+    v.extract::<std::path::PathBuf>()
+        .map(|p| p.to_string_lossy().into_owned())
+        .map_err(|_| {
+            bad(
+                field,
+                format!("must be a string or a path, got {}", type_name(v)),
+            )
+        })
 }
 
 /// A Python int (never a bool) of at least `min`.
