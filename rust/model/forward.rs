@@ -84,6 +84,10 @@ pub struct Workspace {
     /// Final-normed hidden rows of the positions that want logits.
     picked: Vec<f32>,
     rows: Vec<AttnRow>,
+    /// The rows that want logits (indices into `rows`, in batch order), and their `AttnRow`s:
+    /// the last layer runs only those past its K/V.
+    out_rows: Vec<u32>,
+    out_attn_rows: Vec<AttnRow>,
     tables: Vec<u32>,
     slots: Vec<usize>,
     /// `tables` and `slots` in window slots, for the sliding layers of a pool that keeps them
@@ -115,6 +119,8 @@ impl Workspace {
                 .unwrap_or_default(),
             picked: vec![0.0; t * c.hidden_size],
             rows: Vec::with_capacity(t),
+            out_rows: Vec::with_capacity(t),
+            out_attn_rows: Vec::with_capacity(t),
             // A capacity hint from the context served (the RoPE table's), not config.json's
             // max_position_embeddings, which can be far beyond memory.
             tables: Vec::with_capacity(t + model.rope.max_positions() / 4),
@@ -162,7 +168,8 @@ impl Workspace {
         (floats + self.moe.floats()) * size_of::<f32>()
             + self.moe.routes.capacity() * size_of::<Route>()
             + self.moe.picked.capacity() * size_of::<usize>()
-            + self.rows.capacity() * size_of::<AttnRow>()
+            + (self.rows.capacity() + self.out_attn_rows.capacity()) * size_of::<AttnRow>()
+            + self.out_rows.capacity() * size_of::<u32>()
             + (self.tables.capacity() + self.window_tables.capacity()) * size_of::<u32>()
             + (self.slots.capacity() + self.window_slots.capacity()) * size_of::<usize>()
             + self.matmul.bytes()
@@ -179,6 +186,8 @@ impl Workspace {
         next.x[..n * hidden].copy_from_slice(&self.x[..n * hidden]);
         next.rows.clear();
         next.rows.extend_from_slice(&self.rows);
+        next.out_rows.clear();
+        next.out_rows.extend_from_slice(&self.out_rows);
         next.tables.clear();
         next.tables.extend_from_slice(&self.tables);
         next.slots.clear();
@@ -228,7 +237,7 @@ impl Model {
             self.run_layers(kv.stage_layers(stage), kv, &mut ws[stage], n);
         }
         let last = ws.len() - 1;
-        Ok(self.logits(batch, &mut ws[last], out))
+        Ok(self.logits(&mut ws[last], out))
     }
 
     /// Where each token's K/V goes and which positions each query row may see (into `ws`),
@@ -250,11 +259,11 @@ impl Model {
             )));
         }
         ws.rows.clear();
+        ws.out_rows.clear();
         ws.tables.clear();
         ws.slots.clear();
         ws.window_tables.clear();
         ws.window_slots.clear();
-        let mut logit_rows = 0;
         for s in batch {
             // Its "last" row would be the previous chunk's.
             if s.tokens.is_empty() && s.logits != LogitsWanted::None {
@@ -293,12 +302,15 @@ impl Model {
                     ws.window_slots.push(row);
                 }
             }
-            logit_rows += match s.logits {
-                LogitsWanted::None => 0,
-                LogitsWanted::Last => 1,
-                LogitsWanted::All => s.tokens.len(),
+            let first = ws.rows.len() - s.tokens.len();
+            let wanted = match s.logits {
+                LogitsWanted::None => first..first,
+                LogitsWanted::Last => ws.rows.len() - 1..ws.rows.len(),
+                LogitsWanted::All => first..ws.rows.len(),
             };
+            ws.out_rows.extend(wanted.map(|t| t as u32));
         }
+        let logit_rows = ws.out_rows.len();
         if out_len < logit_rows * c.vocab_size {
             return Err(StrataError::Internal("logits buffer too small".into()));
         }
@@ -349,6 +361,7 @@ impl Model {
         let up = &mut ws.up;
         let moe_buffers = &mut ws.moe;
         let mm = &mut ws.matmul;
+        let last_layer = self.layers.len() - 1;
 
         let scale = c.attention_scale();
         for li in layers {
@@ -395,9 +408,30 @@ impl Model {
                     &v[t * kv_dim..(t + 1) * kv_dim],
                 );
             }
+            // The last layer's output feeds nothing but the logits: once every row has written
+            // its K/V, only the rows that want logits go on, moved to the front (a row's
+            // arithmetic does not depend on the rows beside it). A prefill chunk skips the
+            // rest of the last layer for all its rows but one, a draft's catch-up for all.
+            let (n, rows) = if li == last_layer {
+                ws.out_attn_rows.clear();
+                for (j, &t) in ws.out_rows.iter().enumerate() {
+                    let t = t as usize;
+                    ws.out_attn_rows.push(ws.rows[t]);
+                    x.copy_within(t * hidden..(t + 1) * hidden, j * hidden);
+                    q.copy_within(t * q_dim..(t + 1) * q_dim, j * q_dim);
+                }
+                (ws.out_rows.len(), &ws.out_attn_rows)
+            } else {
+                (n, &ws.rows)
+            };
+            if n == 0 {
+                break;
+            }
+            let (x, xn) = (&mut x[..n * hidden], &mut xn[..n * hidden]);
+            let (q, attn) = (&q[..n * q_dim], &mut attn[..n * q_dim]);
             paged_attention(
                 q,
-                &ws.rows,
+                rows,
                 tables,
                 &kv.layer(li),
                 c.num_heads,
@@ -428,32 +462,20 @@ impl Model {
         }
     }
 
-    /// The last device's output: the final norm and the LM head, only for the rows that want
-    /// logits. Returns the number of logit rows.
-    fn logits(&self, batch: &[SeqChunk], ws: &mut Workspace, out: &mut [f32]) -> usize {
+    /// The last device's output: the final norm and the LM head for the rows that want logits,
+    /// which the last layer left at the front of `x` in batch order. Returns their number.
+    fn logits(&self, ws: &mut Workspace, out: &mut [f32]) -> usize {
         let c = &self.config;
         let hidden = c.hidden_size;
-        let x = &ws.x;
         let mm = &mut ws.matmul;
-        let mut r = 0;
-        let mut t0 = 0;
-        for s in batch {
-            let len = s.tokens.len();
-            let wanted = match s.logits {
-                LogitsWanted::None => t0..t0,
-                LogitsWanted::Last => t0 + len - 1..t0 + len,
-                LogitsWanted::All => t0..t0 + len,
-            };
-            for t in wanted {
-                rmsnorm(
-                    &x[t * hidden..(t + 1) * hidden],
-                    &self.norm,
-                    c.rms_norm_eps,
-                    &mut ws.picked[r * hidden..(r + 1) * hidden],
-                );
-                r += 1;
-            }
-            t0 += len;
+        let r = ws.out_rows.len();
+        for j in 0..r {
+            rmsnorm(
+                &ws.x[j * hidden..(j + 1) * hidden],
+                &self.norm,
+                c.rms_norm_eps,
+                &mut ws.picked[j * hidden..(j + 1) * hidden],
+            );
         }
         if r > 0 {
             linear(

@@ -634,6 +634,75 @@ fn logits_are_bitwise_independent_of_batch_neighbours() {
     }
 }
 
+/// The last layer runs only the rows that want logits (`forward.rs`): a prompt's first 100
+/// tokens prefilled without logits beside another prompt without logits (both skip the rest of
+/// the last layer for every row), then 49 tokens wanting their last row only beside the other
+/// sequence's decode row, then one decode row: each logit row equals that of a prefill that
+/// wanted every row, bit for bit, so the K/V the skipping steps wrote is the same.
+#[test]
+fn rows_that_want_no_logits_change_no_logits() {
+    fn chunk<'a>(t: &'a [u32], at: usize, table: &'a [u32], logits: LogitsWanted) -> SeqChunk<'a> {
+        SeqChunk {
+            tokens: t,
+            start_pos: at,
+            block_table: table,
+            logits,
+        }
+    }
+    let vocab = 256;
+    let target = ids(150, 256, 31);
+    let other = ids(91, 256, 32);
+    for (name, dir) in invariance_models() {
+        let want = runner(dir.path(), 512).all_logits(&target).unwrap();
+        let want_other = runner(dir.path(), 512).all_logits(&other).unwrap();
+        let mut r = runner(dir.path(), 512);
+        let tt = r.allocate(target.len()).unwrap();
+        let to = r.allocate(other.len()).unwrap();
+        let mut out = vec![f32::NAN; 2 * vocab];
+        let none = LogitsWanted::None;
+        let rows = r
+            .step(
+                &[
+                    chunk(&target[..100], 0, &tt, none),
+                    chunk(&other[..90], 0, &to, none),
+                ],
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(rows, 0, "{name}");
+        let last = LogitsWanted::Last;
+        let rows = r
+            .step(
+                &[
+                    chunk(&other[90..], 90, &to, last),
+                    chunk(&target[100..149], 100, &tt, last),
+                ],
+                &mut out,
+            )
+            .unwrap();
+        assert_eq!(rows, 2, "{name}");
+        assert_bits_eq(
+            &out[..vocab],
+            &want_other[90 * vocab..],
+            &format!("{name}: the other sequence's decode row"),
+        );
+        assert_bits_eq(
+            &out[vocab..],
+            &want[148 * vocab..149 * vocab],
+            &format!("{name}: the last row of a chunk"),
+        );
+        let rows = r
+            .step(&[chunk(&target[149..], 149, &tt, last)], &mut out)
+            .unwrap();
+        assert_eq!(rows, 1, "{name}");
+        assert_bits_eq(
+            &out[..vocab],
+            &want[149 * vocab..],
+            &format!("{name}: a decode row after chunks without logits"),
+        );
+    }
+}
+
 /// Greedy decode for `steps` tokens after `prompt`, each step's logits recorded. `company`
 /// gives, per step, other rows to run in the same step (prefill chunks and decode rows of other
 /// sequences, placed before the target).
