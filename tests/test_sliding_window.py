@@ -96,6 +96,9 @@ async def test_a_budget_holds_more_blocks_when_sliding_layers_keep_windows(gemma
         kv_bytes = s["memory"]["cpu"]["in_use_bytes"]["kv"]
     finally:
         await engine.close()
+    # The device tier's budget is what the pool holds, not a whole block per block.
+    device = s["cache"]["tiers"]["device"]
+    assert device["budget_bytes"] == kv_bytes < info["kv_blocks"] * info["kv_block_bytes"]
     every_layer = budget // info["kv_block_bytes"]
     # Slots for two windows of 8 (each its block, the partial one and one more) and as many
     # cached tails, plus a step's 64 tokens.

@@ -176,7 +176,8 @@ impl StatsSnapshot {
     /// and the devices' memory pools (`Engine::memory`).
     pub fn new(mut stats: EngineStats, block_bytes: usize, memory: Vec<PoolSnapshot>) -> Self {
         stats.kv_usage = stats.kv_blocks_used as f64 / stats.kv_blocks_total.max(1) as f64;
-        let cache = CacheReport::new(&stats, block_bytes);
+        let kv_bytes = memory.iter().map(|p| p.in_use(Purpose::Kv)).sum();
+        let cache = CacheReport::new(&stats, block_bytes, kv_bytes);
         StatsSnapshot {
             engine: stats,
             cache,
@@ -240,9 +241,15 @@ pub struct CacheMove {
 }
 
 impl CacheReport {
-    fn new(s: &EngineStats, block_bytes: usize) -> Self {
+    /// `block_bytes`: a block as the tiers move it; `kv_bytes`: what the device pools hold for
+    /// K/V (the device tier's budget: with window slots, less than a whole block per block).
+    fn new(s: &EngineStats, block_bytes: usize, kv_bytes: u64) -> Self {
         let c = &s.cache;
         let block_bytes = block_bytes as u64;
+        // Cached blocks' share of the pool (without window slots, `block_bytes` each).
+        let held = |blocks: usize| {
+            (blocks as u128 * kv_bytes as u128 / s.kv_blocks_total.max(1) as u128) as u64
+        };
         let tier = |blocks: usize, bytes: u64, budget_bytes: u64| TierReport {
             blocks,
             bytes,
@@ -250,11 +257,7 @@ impl CacheReport {
         };
         CacheReport {
             tiers: CacheTiers {
-                device: tier(
-                    s.kv_blocks_cached,
-                    s.kv_blocks_cached as u64 * block_bytes,
-                    s.kv_blocks_total as u64 * block_bytes,
-                ),
+                device: tier(s.kv_blocks_cached, held(s.kv_blocks_cached), kv_bytes),
                 host: tier(c.host_blocks, c.host_bytes, c.host_budget),
                 disk: DiskTierReport {
                     tier: tier(c.disk_blocks, c.disk_bytes, c.disk_budget),
