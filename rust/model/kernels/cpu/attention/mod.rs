@@ -24,9 +24,11 @@
 //! computed from scratch over its tiles, and the states are merged in key order. That arithmetic
 //! depends only on the row (its position, window, queries and cache), never on which rows share
 //! its tiles, the thread count or the instruction set (FMA rounds once everywhere, and no step
-//! reassociates): decode batches with few (row, K/V head) tasks run the segments in parallel
-//! (split-K, as in flash-decoding) so that every thread has work; bigger batches run one task per
-//! (block of rows, K/V head) that walks its segments in order. All give the same bits.
+//! reassociates): batches with few (block of rows, K/V head) tasks (decode rows, a verification
+//! of drafts, a short new turn over a long history) run the segments in parallel (split-K, as
+//! in flash-decoding; a task is one segment of a block of rows) so that every thread has work;
+//! bigger batches run one task per (block of rows, K/V head) that walks its segments in order.
+//! All give the same bits.
 
 #[cfg(target_arch = "x86_64")]
 mod in_place;
@@ -81,8 +83,8 @@ const BLOCK_ACC_FLOATS: usize = 8192;
 const LANE_BLOCK: usize = 48;
 /// Output floats of one register pass over V (4 AVX-512 vectors per query head).
 const V_CHUNK: usize = 64;
-/// Segments run as parallel tasks (split-K) while there are fewer than this many (row, K/V
-/// head) tasks per thread.
+/// Segments run as parallel tasks (split-K) while there are fewer than this many (block of
+/// rows, K/V head) tasks per thread.
 const TASKS_PER_THREAD: usize = 4;
 /// Floats of split-K partial states in [`AttnScratch`] (4 MiB): with smollm's 3 heads of 64
 /// per K/V head, 5300 segments, e.g. 2 rows of 3 K/V heads at 110k keys. Bigger plans run
@@ -191,13 +193,16 @@ pub struct AttnRow {
     pub table_len: u32,
 }
 
-/// One split-K segment: keys `lo..=hi` of row `t`, K/V head `g`.
+/// One split-K segment: keys `lo..=hi` (inside one segment of the grid) of the row block
+/// `t..t + n`, K/V head `g`; its rows' partial states go to `parts[at..at + n * slot]`.
 #[derive(Clone, Copy, Debug, Default)]
 struct Segment {
     t: u32,
+    n: u32,
     g: u32,
     lo: u32,
     hi: u32,
+    at: u32,
 }
 
 /// A segment's softmax state per query head of the group: the running max of the scores and
@@ -424,6 +429,14 @@ impl<S> Ctx<'_, S> {
         &self.q[t * self.n_heads * self.hd + g * gh..][..gh]
     }
 
+    /// The keys any of rows `first..first + n` sees: `lo..=hi`.
+    fn block_span(&self, first: usize, n: usize) -> (usize, usize) {
+        let spans = self.rows[first..first + n]
+            .iter()
+            .map(|r| visible(r, self.window));
+        spans.fold((usize::MAX, 0), |(lo, hi), (a, b)| (lo.min(a), hi.max(b)))
+    }
+
     /// Rows of one sequence at consecutive positions, as many as may share a tile.
     fn row_block_limit(&self) -> usize {
         (BLOCK_ACC_FLOATS / (self.group * self.hd))
@@ -448,13 +461,24 @@ fn segment_range(lo: usize, hi: usize) -> std::ops::RangeInclusive<usize> {
     lo / SEGMENT..=hi / SEGMENT
 }
 
-/// The output rows of the unsplit path, written by tasks that each own distinct
-/// (row, K/V head) slices.
+/// The output rows of the unsplit path (or the split path's partial states), written by tasks
+/// that each own distinct slices.
 #[derive(Clone, Copy)]
 struct OutRows(*mut f32);
 // SAFETY: tasks write disjoint slices (see `run`); the pointer outlives the parallel loop.
 unsafe impl Send for OutRows {}
 unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    /// `len` floats from float `at`.
+    ///
+    /// # Safety
+    /// In bounds, and no other live reference to them.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+}
 
 fn run<S: KvSource>(
     c: &Ctx<S>,
@@ -469,17 +493,22 @@ fn run<S: KvSource>(
         let AttnScratch {
             segments, parts, ..
         } = scratch;
+        let ptr = OutRows(parts.as_mut_ptr());
+        segments.par_iter().for_each(|s| {
+            // SAFETY: plan_segments lays the segments' slices of `parts` end to end, inside it;
+            // each task writes its own.
+            let p = unsafe { ptr.slice(s.at as usize, s.n as usize * slot) };
+            dispatch(isa, c, Task::Segment { seg: *s, parts: p });
+        });
+        // Each row's segments merged in key order: those of one (row block, K/V head) are
+        // consecutive, in key order; a row skips those it does not reach.
+        let part = |p: &[f32]| {
+            let mut st = State::EMPTY;
+            st.mx[..group].copy_from_slice(&p[group * hd..group * hd + group]);
+            st.sum[..group].copy_from_slice(&p[group * hd + group..slot]);
+            st
+        };
         let n = segments.len();
-        parts[..n * slot]
-            .par_chunks_mut(slot)
-            .zip(segments.par_iter())
-            .for_each(|(p, s)| {
-                let (acc, st) = p.split_at_mut(group * hd);
-                let state = dispatch(isa, c, Task::Segment { seg: *s, acc });
-                st[..group].copy_from_slice(&state.mx[..group]);
-                st[group..].copy_from_slice(&state.sum[..group]);
-            });
-        // Segments of one (row, head) are consecutive, in key order.
         let mut i = 0;
         while i < n {
             let s0 = segments[i];
@@ -487,21 +516,31 @@ fn run<S: KvSource>(
             while e < n && segments[e].t == s0.t && segments[e].g == s0.g {
                 e += 1;
             }
-            let o =
-                &mut out[(s0.t as usize * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
-            let part = |p: &[f32]| {
-                let mut st = State::EMPTY;
-                st.mx[..group].copy_from_slice(&p[group * hd..group * hd + group]);
-                st.sum[..group].copy_from_slice(&p[group * hd + group..slot]);
-                st
-            };
-            let first = &parts[i * slot..(i + 1) * slot];
-            o.copy_from_slice(&first[..group * hd]);
-            let mut state = part(first);
-            for p in parts[(i + 1) * slot..e * slot].chunks_exact(slot) {
-                combine(o, &mut state, &p[..group * hd], &part(p), group, hd);
+            for r in 0..s0.n as usize {
+                let t = s0.t as usize + r;
+                let (lo, hi) = visible(&c.rows[t], c.window);
+                let o = &mut out[(t * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
+                let mut state: Option<State> = None;
+                for s in &segments[i..e] {
+                    let (a, b) = segment(lo, hi, s.lo as usize / SEGMENT);
+                    if a > b {
+                        continue;
+                    }
+                    let p = &parts[s.at as usize + r * slot..][..slot];
+                    match &mut state {
+                        None => {
+                            o.copy_from_slice(&p[..group * hd]);
+                            state = Some(part(p));
+                        }
+                        Some(st) => combine(o, st, &p[..group * hd], &part(p), group, hd),
+                    }
+                }
+                // Every row sees its own position, inside its block's segments.
+                debug_assert!(state.is_some());
+                if let Some(st) = state {
+                    finish(o, &st, group, hd);
+                }
             }
-            finish(o, &state, group, hd);
             i = e;
         }
         return;
@@ -542,39 +581,52 @@ fn plan_row_blocks<S>(c: &Ctx<S>, blocks: &mut Vec<(u32, u32)>) {
     }
 }
 
-/// Fills `scratch.segments` with the split-K plan: every row's segments, per K/V head, in key
-/// order. False when split-K does not pay (enough tasks already, or no row with two segments)
-/// or does not fit the scratch.
+/// Fills `scratch.segments` with the split-K plan: every row block's segments, per K/V head, in
+/// key order, and where each one's partial states go in `scratch.parts`. False when split-K does
+/// not pay (enough tasks already, or no block with two segments) or does not fit the scratch.
 fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
-    let tasks = c.rows.len() * c.kvh;
-    if tasks == 0 || tasks >= TASKS_PER_THREAD * scratch.threads || c.rows.len() > scratch.max_rows
-    {
+    if c.rows.is_empty() || c.rows.len() > scratch.max_rows {
         return false;
     }
-    let total: usize = c
-        .rows
-        .iter()
-        .map(|r| {
-            let (lo, hi) = visible(r, c.window);
-            segment_range(lo, hi).count() * c.kvh
-        })
-        .sum();
+    let AttnScratch {
+        threads,
+        segments,
+        parts,
+        blocks,
+        ..
+    } = scratch;
+    plan_row_blocks(c, blocks);
+    let tasks = blocks.len() * c.kvh;
+    if tasks >= TASKS_PER_THREAD * *threads {
+        return false;
+    }
     let slot = c.group * (c.hd + 2);
-    if total == tasks || total * slot > scratch.parts.len() || total > scratch.segments.capacity() {
+    let (mut total, mut floats) = (0, 0);
+    for &(first, n) in blocks.iter() {
+        let (lo, hi) = c.block_span(first as usize, n as usize);
+        let count = segment_range(lo, hi).count() * c.kvh;
+        total += count;
+        floats += count * n as usize * slot;
+    }
+    if total == tasks || floats > parts.len() || total > segments.capacity() {
         return false;
     }
-    scratch.segments.clear();
-    for (t, r) in c.rows.iter().enumerate() {
-        let (lo, hi) = visible(r, c.window);
+    segments.clear();
+    let mut at = 0;
+    for &(first, n) in blocks.iter() {
+        let (lo, hi) = c.block_span(first as usize, n as usize);
         for g in 0..c.kvh {
             for j in segment_range(lo, hi) {
                 let (a, b) = segment(lo, hi, j);
-                scratch.segments.push(Segment {
-                    t: t as u32,
+                segments.push(Segment {
+                    t: first,
+                    n,
                     g: g as u32,
                     lo: a as u32,
                     hi: b as u32,
+                    at: at as u32,
                 });
+                at += n as usize * slot;
             }
         }
     }
@@ -891,12 +943,13 @@ enum Task<'a> {
         g: usize,
         out: OutRows,
     },
-    /// One split-K segment: unnormalised accumulators into `acc`, the state returned.
-    Segment { seg: Segment, acc: &'a mut [f32] },
+    /// One split-K segment of a row block: each row's unnormalised accumulators and softmax
+    /// state into its slot of `parts` (`[group * hd acc | group max | group sum]`).
+    Segment { seg: Segment, parts: &'a mut [f32] },
 }
 
 /// Runs `task` compiled for `isa`.
-fn dispatch<S: KvSource>(isa: Isa, c: &Ctx<S>, task: Task) -> State {
+fn dispatch<S: KvSource>(isa: Isa, c: &Ctx<S>, task: Task) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: detect_isa checked the features (tests only pass ISAs they detected).
@@ -910,12 +963,12 @@ fn dispatch<S: KvSource>(isa: Isa, c: &Ctx<S>, task: Task) -> State {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-unsafe fn task_avx512<S: KvSource>(c: &Ctx<S>, task: Task) -> State {
+unsafe fn task_avx512<S: KvSource>(c: &Ctx<S>, task: Task) {
     run_task::<Avx512, S>(c, task)
 }
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn task_avx2<S: KvSource>(c: &Ctx<S>, task: Task) -> State {
+unsafe fn task_avx2<S: KvSource>(c: &Ctx<S>, task: Task) {
     run_task::<Avx2, S>(c, task)
 }
 
@@ -926,34 +979,106 @@ struct TileBuf {
 }
 
 #[inline(always)]
-fn run_task<W: Widen, S: KvSource>(c: &Ctx<S>, task: Task) -> State {
+fn run_task<W: Widen, S: KvSource>(c: &Ctx<S>, task: Task) {
     let mut tile = TileBuf {
         kt: [MaybeUninit::uninit(); MAX_HEAD_DIM * LANES],
         vt: [MaybeUninit::uninit(); LANES * MAX_HEAD_DIM],
     };
-    let gh = c.group * c.hd;
     match task {
-        Task::Segment { seg, acc } => {
-            let mut st = [State::EMPTY];
-            acc[..gh].fill(0.0);
-            let (t, lo, hi) = (seg.t as usize, seg.lo as usize, seg.hi as usize);
-            segment_pass::<W, S>(
-                c,
-                t,
-                &[(lo, hi)],
-                seg.g as usize,
-                (lo, hi),
-                &mut [&mut acc[..gh]],
-                &mut st,
-                &mut tile,
-                None,
-            );
-            st[0]
+        Task::Segment { seg, parts } => segment_task::<W, S>(c, seg, parts, &mut tile),
+        Task::Rows { first, n, g, out } => rows_task::<W, S>(c, first, n, g, out, &mut tile),
+    }
+}
+
+/// Rows `first..first + n`'s queries of K/V head `g` transposed for the lanes path (lane =
+/// `i * group + h`, `QL` = `W::QUERY_LANES` lanes per vector: `qt[(v * hd + d) * QL + lane %
+/// QL]`, `v = lane / QL`, unused lanes zero), in `buf`; `None` for one row, or where the ISA
+/// has no lanes path.
+#[inline(always)]
+fn transposed_queries<'b, W: Widen, S>(
+    c: &Ctx<S>,
+    first: usize,
+    n: usize,
+    g: usize,
+    buf: &'b mut [MaybeUninit<f32>; LANE_BLOCK * MAX_HEAD_DIM],
+) -> Option<&'b [f32]> {
+    let (hd, group, ql) = (c.hd, c.group, W::QUERY_LANES);
+    if ql == 0 || n < 2 {
+        return None;
+    }
+    let lanes = n * group;
+    let vectors = lanes.div_ceil(ql);
+    debug_assert!(lanes <= LANE_BLOCK && LANE_BLOCK.is_multiple_of(ql));
+    // SAFETY: vectors * hd * ql <= LANE_BLOCK * MAX_HEAD_DIM (row_block_limit keeps n * group
+    // <= LANE_BLOCK, a multiple of ql, so whole vectors fit too); every float is written here
+    // before it is read.
+    let qt = unsafe {
+        let p = buf.as_mut_ptr().cast::<f32>();
+        std::ptr::write_bytes(p, 0, vectors * hd * ql);
+        std::slice::from_raw_parts_mut(p, vectors * hd * ql)
+    };
+    for lane in 0..lanes {
+        let (i, h) = (lane / group, lane % group);
+        let q = &c.q_group(first + i, g)[h * hd..(h + 1) * hd];
+        let (v, l) = (lane / ql, lane % ql);
+        for (d, &x) in q.iter().enumerate() {
+            qt[(v * hd + d) * ql + l] = x;
         }
-        Task::Rows { first, n, g, out } => {
-            rows_task::<W, S>(c, first, n, g, out, &mut tile);
-            State::EMPTY
+    }
+    Some(qt)
+}
+
+/// One split-K segment (`seg`: keys inside one segment of the grid) of the row block
+/// `seg.t..seg.t + seg.n`, K/V head `seg.g`: each row's part of it (as `rows_task` cuts it),
+/// its unnormalised accumulators and state into its slot of `parts`; a row that does not
+/// reach the segment leaves its slot as it was (the merge skips it).
+#[inline(always)]
+fn segment_task<W: Widen, S: KvSource>(
+    c: &Ctx<S>,
+    seg: Segment,
+    parts: &mut [f32],
+    tile: &mut TileBuf,
+) {
+    let (hd, group) = (c.hd, c.group);
+    let (gh, slot) = (group * hd, group * (hd + 2));
+    let (first, n, g) = (seg.t as usize, seg.n as usize, seg.g as usize);
+    let j = seg.lo as usize / SEGMENT;
+    let mut row_parts = [(1usize, 0usize); ROW_BLOCK];
+    for (i, p) in row_parts.iter_mut().take(n).enumerate() {
+        let (lo, hi) = visible(&c.rows[first + i], c.window);
+        *p = segment(lo, hi, j);
+    }
+    let mut qt_buf = [MaybeUninit::<f32>::uninit(); LANE_BLOCK * MAX_HEAD_DIM];
+    let qt = transposed_queries::<W, S>(c, first, n, g, &mut qt_buf);
+    let mut states = [State::EMPTY; ROW_BLOCK];
+    {
+        let mut accs: [&mut [f32]; ROW_BLOCK] = std::array::from_fn(|_| Default::default());
+        for (i, (a, p)) in accs
+            .iter_mut()
+            .zip(parts.chunks_exact_mut(slot))
+            .take(n)
+            .enumerate()
+        {
+            if row_parts[i].0 <= row_parts[i].1 {
+                *a = &mut p[..gh];
+                a.fill(0.0);
+            }
         }
+        segment_pass::<W, S>(
+            c,
+            first,
+            &row_parts[..n],
+            g,
+            (seg.lo as usize, seg.hi as usize),
+            &mut accs[..n],
+            &mut states[..n],
+            tile,
+            qt,
+        );
+    }
+    for (p, st) in parts.chunks_exact_mut(slot).zip(&states).take(n) {
+        p[gh..gh + group].copy_from_slice(&st.mx[..group]);
+        p[gh + group..].copy_from_slice(&st.sum[..group]);
     }
 }
 
@@ -987,33 +1112,9 @@ fn rows_task<W: Widen, S: KvSource>(
         std::ptr::write_bytes(p, 0, n * gh);
         std::slice::from_raw_parts_mut(p, n * gh)
     };
-    // Two or more rows on the lanes path: their queries transposed, lane = i * group + h, QL =
-    // W::QUERY_LANES lanes per vector (`qt[(v * hd + d) * QL + lane % QL]`, v = lane / QL),
-    // unused lanes zero.
+    // Two or more rows on the lanes path: their queries transposed.
     let mut qt_buf = [MaybeUninit::<f32>::uninit(); LANE_BLOCK * MAX_HEAD_DIM];
-    let ql = W::QUERY_LANES;
-    let qt = (ql > 0 && n >= 2).then(|| {
-        let lanes = n * group;
-        let vectors = lanes.div_ceil(ql);
-        debug_assert!(lanes <= LANE_BLOCK && LANE_BLOCK.is_multiple_of(ql));
-        // SAFETY: vectors * hd * ql <= LANE_BLOCK * MAX_HEAD_DIM (row_block_limit keeps
-        // n * group <= LANE_BLOCK, a multiple of ql, so whole vectors fit too); every float is
-        // written here before it is read.
-        let qt = unsafe {
-            let p = qt_buf.as_mut_ptr().cast::<f32>();
-            std::ptr::write_bytes(p, 0, vectors * hd * ql);
-            std::slice::from_raw_parts_mut(p, vectors * hd * ql)
-        };
-        for lane in 0..lanes {
-            let (i, h) = (lane / group, lane % group);
-            let q = &c.q_group(first + i, g)[h * hd..(h + 1) * hd];
-            let (v, l) = (lane / ql, lane % ql);
-            for (d, &x) in q.iter().enumerate() {
-                qt[(v * hd + d) * ql + l] = x;
-            }
-        }
-        &*qt
-    });
+    let qt = transposed_queries::<W, S>(c, first, n, g, &mut qt_buf);
     let mut spans = [(0usize, 0usize); ROW_BLOCK];
     for (i, s) in spans.iter_mut().take(n).enumerate() {
         *s = visible(&c.rows[first + i], c.window);

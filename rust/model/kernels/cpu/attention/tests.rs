@@ -543,6 +543,29 @@ fn split_k_plans_cover_the_keys() {
     // Enough tasks already: no split.
     let mut scratch = AttnScratch::new(4, 9, 64, 1);
     assert!(!plan_segments(&c, &mut scratch));
+    // A row block (a verification's 5 rows at 2995..=2999) is one task per K/V head unsplit:
+    // split, each segment is a task for all 5 rows, their parts end to end in the scratch.
+    let rows: Vec<AttnRow> = (2995..3000)
+        .map(|pos| AttnRow {
+            pos,
+            table_start: 0,
+            table_len: 188,
+        })
+        .collect();
+    let c = Ctx {
+        rows: &rows,
+        window: None,
+        ..c
+    };
+    let mut scratch = AttnScratch::new(5, 9, 64, 2);
+    assert!(plan_segments(&c, &mut scratch));
+    assert_eq!(scratch.segments.len(), 3 * 24);
+    let slot = 3 * (64 + 2);
+    for (i, s) in scratch.segments.iter().enumerate() {
+        assert_eq!((s.t, s.n, s.g), (0, 5, i as u32 / 24));
+        assert_eq!((s.lo, s.hi), long[i % 24]);
+        assert_eq!(s.at as usize, i * 5 * slot);
+    }
 }
 
 /// A row's output is bitwise the same alone and in batches of 1 to 40 rows (decode rows of

@@ -60,3 +60,66 @@ fn timing_decode_attention() {
         }
     }
 }
+
+/// A verification of 4 drafts (5 consecutive rows of one sequence), smollm's heads, f16 K/V:
+/// split-K over the row block's segments against one task per K/V head.
+#[test]
+#[ignore]
+fn timing_row_block_attention() {
+    let (n_heads, kvh, hd, bs, n) = (9usize, 3usize, 64usize, 16usize, 5usize);
+    let threads = rayon::current_num_threads();
+    for &ctx in &[512usize, 2048, 8192] {
+        let blocks = ctx / bs;
+        let len = blocks * bs * kvh * hd;
+        let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+        let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
+        let stored = tests::stored(k, v, bs, kvh, hd);
+        let kv = stored.layer_of(1);
+        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let rows: Vec<AttnRow> = (ctx - n..ctx)
+            .map(|pos| AttnRow {
+                pos: pos as u32,
+                table_start: 0,
+                table_len: blocks as u32,
+            })
+            .collect();
+        let q = vec![0.1f32; n * n_heads * hd];
+        let mut out = vec![0.0f32; n * n_heads * hd];
+        let mut scratch = AttnScratch::new(n, n_heads, hd, threads);
+        let mut rounds = [Vec::new(), Vec::new()];
+        for _ in 0..15 {
+            for (round, split) in rounds.iter_mut().zip([Split::Auto, Split::Never]) {
+                let mut best = f64::INFINITY;
+                for _ in 0..40 {
+                    let t = Instant::now();
+                    paged_attention_with(
+                        &q,
+                        &rows,
+                        &tables,
+                        &kv,
+                        n_heads,
+                        0.125,
+                        None,
+                        &mut out,
+                        &mut scratch,
+                        detect_isa(),
+                        split,
+                    );
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                round.push(best);
+            }
+        }
+        let median = |r: &mut Vec<f64>| {
+            r.sort_by(f64::total_cmp);
+            r[r.len() / 2] * 1e6
+        };
+        let [auto, never] = &mut rounds;
+        println!(
+            "{n} rows at ctx {ctx}, f16, {threads} threads: split-K {:.1} us, one task per K/V \
+             head {:.1} us (medians of rounds)",
+            median(auto),
+            median(never)
+        );
+    }
+}
