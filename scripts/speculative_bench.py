@@ -3,14 +3,16 @@ against plain decoding, same engine build, same model, rounds interleaved; the o
 equal (greedy).
 
     python scripts/speculative_bench.py [--model M.gguf] [--draft D.gguf] [--no-ngram]
-        [--rounds 3] [--json out.json]
+        [--rounds 3] [--history CHARS] [--workloads edit,chat] [--json out.json]
 
 Two workloads: "edit" asks the model to repeat a ~150-token passage of its prompt with a small
 change (where drafts are accepted most), "chat" asks ordinary questions (where they are not,
 and adaptive draft lengths must keep decode at plain speed). Decode speed is the tokens after
 the first chunk over the time from the first chunk to the last (prefill excluded); ratios are
 medians of the per-round ratios. Each round loads fresh engines in a rotated order (`--aa`
-adds a second plain engine: how far identical engines read apart).
+adds a second plain engine: how far identical engines read apart). `--history CHARS` puts an
+earlier exchange before every prompt (the source of Python's `json` and `textwrap` modules,
+cut to that many characters): decoding at a long context, where attention is much of a step.
 """
 
 from __future__ import annotations
@@ -62,10 +64,27 @@ WORKLOADS: dict[str, list[str]] = {
 }
 
 
-async def decode_rate(engine: Engine, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+def history(chars: int) -> list[dict[str, str]]:
+    """An earlier exchange of about `chars` characters of real code (none for 0)."""
+    if chars == 0:
+        return []
+    import inspect
+    import json as json_module
+    import textwrap
+
+    source = "".join(inspect.getsource(m) for m in (json_module.decoder, textwrap))
+    return [
+        {"role": "user", "content": "Keep this code in mind.\n\n" + source[:chars]},
+        {"role": "assistant", "content": "Understood."},
+    ]
+
+
+async def decode_rate(
+    engine: Engine, prompt: str, max_tokens: int, before: list[dict[str, str]]
+) -> tuple[float, list[int]]:
     """Tokens per second after the first chunk, and the output ids."""
     stream = engine.chat(
-        [{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+        [*before, {"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
     )
     ids: list[int] = []
     first = last = 0.0
@@ -95,7 +114,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # Drafts whatever is proposed: what verifying drafts costs on this machine.
         configs[f"{name}_forced"] = {**k, "speculative": method, "speculative_adaptive": False}
     names = list(configs)
-    rates: dict[str, dict[str, list[float]]] = {w: {name: [] for name in names} for w in WORKLOADS}
+    workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
+    before = history(args.history)
+    rates: dict[str, dict[str, list[float]]] = {w: {name: [] for name in names} for w in workloads}
     totals: dict[str, dict[str, int]] = {
         name: {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "steps": 0} for name in names
     }
@@ -109,12 +130,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for name in order:
             engine = await Engine.load(args.model, **options, **configs[name])
             try:
-                for workload, prompts in WORKLOADS.items():
+                for workload, prompts in workloads.items():
                     outs = []
                     total_tokens = 0
                     total_time = 0.0
                     for p in prompts:
-                        rate, ids = await decode_rate(engine, p, args.max_tokens)
+                        rate, ids = await decode_rate(engine, p, args.max_tokens, before)
                         outs.append(ids)
                         total_tokens += len(ids)
                         total_time += len(ids) / rate
@@ -130,6 +151,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "model": str(args.model),
         "draft": None if args.draft is None else str(args.draft),
         "rounds": args.rounds,
+        "history_chars": args.history,
         "outputs_equal": equal,
         "drafts": totals,
     }
@@ -161,6 +183,8 @@ if __name__ == "__main__":
     parser.add_argument("--draft", type=Path, default=None, help="also a draft model's engines")
     parser.add_argument("--no-ngram", action="store_true", help="without the n-gram engines")
     parser.add_argument("--aa", action="store_true", help="also a second plain engine")
+    parser.add_argument("--history", type=int, default=0, help="characters of earlier code")
+    parser.add_argument("--workloads", default="edit,chat", help="of: edit, chat")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.model is None:
