@@ -1,22 +1,31 @@
 use super::*;
 use std::time::Instant;
 
+/// smollm's K/V shape (3 K/V heads of 64, blocks of 16): a cache of `ctx` keys in every
+/// format, and its block table (blocks in reverse order).
+fn smollm_cache(ctx: usize) -> (tests::Stored, Vec<u32>) {
+    let (kvh, hd, bs) = (3, 64, 16);
+    let blocks = ctx / bs;
+    let len = blocks * bs * kvh * hd;
+    let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
+    let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
+    (
+        tests::stored(k, v, bs, kvh, hd),
+        (0..blocks as u32).rev().collect(),
+    )
+}
+
 #[test]
 #[ignore]
 fn timing_decode_attention() {
-    let (n_heads, kvh, hd, bs) = (9usize, 3usize, 64usize, 16usize);
+    let (n_heads, hd) = (9usize, 64usize);
     let threads = rayon::current_num_threads();
     for &ctx in &[512usize, 2048, 8192] {
-        let blocks = ctx / bs;
-        let len = blocks * bs * kvh * hd;
-        let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
-        let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
-        let stored = tests::stored(k, v, bs, kvh, hd);
-        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+        let (stored, tables) = smollm_cache(ctx);
         let rows = [AttnRow {
             pos: ctx as u32 - 1,
             table_start: 0,
-            table_len: blocks as u32,
+            table_len: tables.len() as u32,
         }];
         let q = vec![0.1f32; n_heads * hd];
         let mut out = vec![0.0f32; n_heads * hd];
@@ -66,21 +75,16 @@ fn timing_decode_attention() {
 #[test]
 #[ignore]
 fn timing_row_block_attention() {
-    let (n_heads, kvh, hd, bs, n) = (9usize, 3usize, 64usize, 16usize, 5usize);
+    let (n_heads, hd, n) = (9usize, 64usize, 5usize);
     let threads = rayon::current_num_threads();
     for &ctx in &[512usize, 2048, 8192] {
-        let blocks = ctx / bs;
-        let len = blocks * bs * kvh * hd;
-        let k: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.01 - 0.06).collect();
-        let v: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.02 - 0.06).collect();
-        let stored = tests::stored(k, v, bs, kvh, hd);
+        let (stored, tables) = smollm_cache(ctx);
         let kv = stored.layer_of(1);
-        let tables: Vec<u32> = (0..blocks as u32).rev().collect();
         let rows: Vec<AttnRow> = (ctx - n..ctx)
             .map(|pos| AttnRow {
                 pos: pos as u32,
                 table_start: 0,
-                table_len: blocks as u32,
+                table_len: tables.len() as u32,
             })
             .collect();
         let q = vec![0.1f32; n * n_heads * hd];
