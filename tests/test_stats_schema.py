@@ -175,4 +175,7 @@ async def test_stats_match_the_stubs_typed_dicts(model_dir: MakeModel) -> None:
     assert cache["last_restore"] is not None, "the test must exercise a restore"
     assert cache["faults_injected"] == {"copy_out": 1}
     assert any(m["result"] == "failed" for m in cache["moves"])
+    # Every gate is listed, refused or not; the tiers in the order /v1/cache shows them.
+    assert list(cache["refusals"]) == ["ram", "host_budget", "disk_budget", "device"]
+    assert list(cache["tiers"]) == ["device", "host", "disk"]
     stub.check(stats, ast.Name("EngineStatsDict"), "stats()")

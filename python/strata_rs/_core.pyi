@@ -385,7 +385,7 @@ class CacheStatsDict(TypedDict):
     moves: list[CacheMove]
     """Blocks moved per (from, to, result) since start; bytes = blocks x kv_block_bytes."""
     refusals: dict[Literal["ram", "host_budget", "disk_budget", "device"], int]
-    """Moves refused per gate; only gates that refused appear."""
+    """Moves refused per gate: every gate, at 0 until it refuses."""
     device_refusals: dict[str, int]
     """Moves refused by one device's memory pool (its part of the staging buffer), by device
     ("cpu", "cpu:1"); each is also under refusals["device"]. Only devices that refused appear."""

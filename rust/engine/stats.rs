@@ -281,7 +281,11 @@ impl CacheReport {
                     bytes: blocks * block_bytes,
                 })
                 .collect(),
-            refusals: c.refusals.clone(),
+            // Every gate, at 0 until it refuses.
+            refusals: Gate::ALL
+                .iter()
+                .map(|&g| (g, c.refusals.get(&g).copied().unwrap_or(0)))
+                .collect(),
             device_refusals: c.device_refusals.clone(),
             corrupt_files: c.corrupt_files,
             adopted_files: c.adopted_files,

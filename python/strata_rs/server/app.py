@@ -42,7 +42,7 @@ from strata_rs import (
 )
 from strata_rs.server import protocol, tools
 from strata_rs.server.message import MessageParser
-from strata_rs.server.metrics import CACHE_GATES, CONTENT_TYPE, TIERS, ServerMetrics
+from strata_rs.server.metrics import CONTENT_TYPE, ServerMetrics
 from strata_rs.server.openapi import openapi_schema
 from strata_rs.server.protocol import ApiError, ChoiceResult, GenerationRequest
 from strata_rs.server.reasoning import ReasoningSplitter, prompt_opens_thinking
@@ -840,8 +840,8 @@ def cache_report(stats: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str,
     c = stats["cache"]
     hits = c["hit_tokens"]
     tiers = []
-    for name in TIERS:
-        t = c["tiers"][name]
+    # The engine's order: device, host, disk.
+    for name, t in c["tiers"].items():
         tier: dict[str, Any] = {
             "tier": name,
             "enabled": t.get("enabled", name == "device" or t["budget_bytes"] > 0),
@@ -864,8 +864,7 @@ def cache_report(stats: Mapping[str, Any], info: Mapping[str, Any]) -> dict[str,
         "query_tokens": queries,
         "hit_rate": total_hits / queries if queries else 0.0,
         "moves": [dict(m) for m in c["moves"]],
-        # Every gate, at 0 until it refuses (the engine lists only those that did).
-        "refusals": dict.fromkeys(CACHE_GATES, 0) | dict(c["refusals"]),
+        "refusals": dict(c["refusals"]),
         "corrupt_files": c["corrupt_files"],
         "adopted_files": c["adopted_files"],
         "faults_injected": dict(c["faults_injected"]),

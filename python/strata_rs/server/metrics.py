@@ -35,10 +35,6 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
-# /v1/cache's tiers and gates (server/app.py), in the order of stats()["cache"].
-TIERS = ("device", "host", "disk")
-CACHE_GATES = ("ram", "host_budget", "disk_budget", "device")
-
 # Read once: the table is fixed for the extension's build.
 SPECS: list[MetricSpec] = stats_metrics()
 
