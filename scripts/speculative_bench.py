@@ -18,8 +18,11 @@ cut to that many characters): decoding at a long context, where attention is muc
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import json.decoder
 import statistics
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -68,11 +71,7 @@ def history(chars: int) -> list[dict[str, str]]:
     """An earlier exchange of about `chars` characters of real code (none for 0)."""
     if chars == 0:
         return []
-    import inspect
-    import json as json_module
-    import textwrap
-
-    source = "".join(inspect.getsource(m) for m in (json_module.decoder, textwrap))
+    source = "".join(inspect.getsource(m) for m in (json.decoder, textwrap))
     return [
         {"role": "user", "content": "Keep this code in mind.\n\n" + source[:chars]},
         {"role": "assistant", "content": "Understood."},

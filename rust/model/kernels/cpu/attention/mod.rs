@@ -488,6 +488,7 @@ fn run<S: KvSource>(
     split: Split,
 ) {
     let (hd, group) = (c.hd, c.group);
+    plan_row_blocks(c, &mut scratch.blocks);
     if split == Split::Auto && plan_segments(c, scratch) {
         let slot = group * (hd + 2);
         let AttnScratch {
@@ -546,7 +547,6 @@ fn run<S: KvSource>(
         return;
     }
     // One task per (block of consecutive rows of a sequence, K/V head).
-    plan_row_blocks(c, &mut scratch.blocks);
     let ptr = OutRows(out.as_mut_ptr());
     let tasks = scratch.blocks.len() * c.kvh;
     (0..tasks).into_par_iter().for_each(|i| {
@@ -581,9 +581,10 @@ fn plan_row_blocks<S>(c: &Ctx<S>, blocks: &mut Vec<(u32, u32)>) {
     }
 }
 
-/// Fills `scratch.segments` with the split-K plan: every row block's segments, per K/V head, in
-/// key order, and where each one's partial states go in `scratch.parts`. False when split-K does
-/// not pay (enough tasks already, or no block with two segments) or does not fit the scratch.
+/// Fills `scratch.segments` with the split-K plan: every row block's (`scratch.blocks`, from
+/// [`plan_row_blocks`]) segments, per K/V head, in key order, and where each one's partial
+/// states go in `scratch.parts`. False when split-K does not pay (enough tasks already, or no
+/// block with two segments) or does not fit the scratch.
 fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
     if c.rows.is_empty() || c.rows.len() > scratch.max_rows {
         return false;
@@ -595,7 +596,6 @@ fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
         blocks,
         ..
     } = scratch;
-    plan_row_blocks(c, blocks);
     let tasks = blocks.len() * c.kvh;
     if tasks >= TASKS_PER_THREAD * *threads {
         return false;

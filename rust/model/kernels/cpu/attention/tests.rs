@@ -255,6 +255,7 @@ fn run_dt(
                     scale,
                     window,
                 };
+                plan_row_blocks(&c, &mut scratch.blocks);
                 plan_segments(&c, &mut scratch)
             };
             splits += planned as usize;
@@ -505,6 +506,7 @@ fn split_k_plans_cover_the_keys() {
         window: None,
     };
     let mut scratch = AttnScratch::new(4, 9, 64, 2);
+    plan_row_blocks(&c, &mut scratch.blocks);
     assert!(plan_segments(&c, &mut scratch));
     // 6 tasks for 2 threads: the long row in its fixed segments of 128 keys (the last one
     // partial); the short one whole.
@@ -531,6 +533,7 @@ fn split_k_plans_cover_the_keys() {
         window: Some(1000),
         ..c
     };
+    plan_row_blocks(&c, &mut scratch.blocks);
     assert!(plan_segments(&c, &mut scratch));
     let segs: Vec<_> = scratch
         .segments
@@ -542,6 +545,7 @@ fn split_k_plans_cover_the_keys() {
     assert_eq!(segs.last(), Some(&(2944, 2999)));
     // Enough tasks already: no split.
     let mut scratch = AttnScratch::new(4, 9, 64, 1);
+    plan_row_blocks(&c, &mut scratch.blocks);
     assert!(!plan_segments(&c, &mut scratch));
     // A row block (a verification's 5 rows at 2995..=2999) is one task per K/V head unsplit:
     // split, each segment is a task for all 5 rows, their parts end to end in the scratch.
@@ -558,6 +562,7 @@ fn split_k_plans_cover_the_keys() {
         ..c
     };
     let mut scratch = AttnScratch::new(5, 9, 64, 2);
+    plan_row_blocks(&c, &mut scratch.blocks);
     assert!(plan_segments(&c, &mut scratch));
     assert_eq!(scratch.segments.len(), 3 * 24);
     let slot = 3 * (64 + 2);
