@@ -445,7 +445,8 @@ const DEFAULT_KV_BYTES: usize = 2048 << 20;
 /// ([`WindowLayout::slots_for`]); the bytes the sliding layers no longer hold become blocks of
 /// the others, up to kv_memory_mib, or without it up to max_context's blocks within the default
 /// cap (at most as many blocks as one layer alone would get, for a model whose every layer
-/// slides). Blocks that device_memory_mib fitted beside the weights stay as they are.
+/// slides). Blocks that device_memory_mib fitted beside the weights stay as they are. No
+/// slots when they would be as many as the blocks (a budget too small for windows to pay).
 ///
 /// `bytes`: a block's bytes, and of them the draft model's part (which keeps every block).
 fn window_slots(
@@ -490,6 +491,11 @@ fn window_slots(
         _ => kv_blocks,
     };
     let num_slots = slots(blocks);
+    if num_slots >= blocks {
+        // A slot for every block: the windows would save nothing, so the pool keeps every
+        // block of every layer (and reports no window slots).
+        return (blocks, None);
+    }
     let layout = WindowLayout {
         window,
         layers,
