@@ -43,14 +43,18 @@ MakeModel = Callable[..., Path]
 _reference_cache: dict[tuple[Path, tuple[int, ...], str], np.ndarray] = {}
 
 
-def cpu_has_bf16_dot() -> bool:
-    """Whether this CPU has AVX-512 with bf16 dot products (Linux's /proc/cpuinfo flags)."""
+def cpu_flags() -> set[str]:
+    """This CPU's flags (Linux's /proc/cpuinfo; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+        return set()
+    return set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+def cpu_has_bf16_dot() -> bool:
+    """Whether this CPU has AVX-512 with bf16 dot products."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags()
 
 
 def reference(path: Path, ids: Sequence[int], matmul_inputs: str = "f32") -> np.ndarray:
@@ -124,6 +128,26 @@ async def test_bf16_dot_has_its_own_disk_cache(model_dir: MakeModel, tmp_path: P
             assert engine.stats()["cache"]["adopted_files"] == adopted, bf16_dot
         finally:
             await engine.close()
+
+
+async def test_info_names_the_cpu_levels_the_kernels_use(model_dir: MakeModel) -> None:
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    (_,), info = await engine_logits_info(model_dir("llama"), [SEQ], device="cpu")
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags
+    expected = [
+        name
+        for name, has in [
+            ("avx2", avx2),
+            ("avx512", avx512),
+            ("avx512_vnni", avx512 and "avx512_vnni" in flags),
+            ("avx512_bf16", avx512 and "avx512_bf16" in flags),
+        ]
+        if has
+    ]
+    assert info["cpu_levels"] == expected
 
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])

@@ -561,7 +561,7 @@ def _print_bench(r: dict[str, Any]) -> None:
     print(
         f"model {info['model_dir']} ({info['model_type']}, {info['dtype']}, "
         f"{info['num_layers']} layers, {info['kv_dtype']} K/V), {info['threads']} threads on "
-        f"{info['device']}"
+        f"{info['device']} (CPU kernels: {', '.join(info['cpu_levels']) or 'portable'})"
     )
     for n, rate in r["prefill_tok_s"].items():
         print(f"prefill {n:>6} tokens: {rate:9.1f} tok/s")

@@ -634,6 +634,7 @@ fn build_and_spawn(
         kv_dtype: kv_dtype.name(),
         quantize: setup.quantize.map(|q| q.lower_name()),
         matmul_inputs,
+        cpu_levels: crate::model::kernels::cpu::isa::cpu().names(),
         config,
         device: opts.device.name(),
         threads,

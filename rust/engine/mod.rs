@@ -153,6 +153,9 @@ pub struct EngineInfo {
     /// rows to: "f32" (not rounded), "bf16" (bf16 weights with `bf16_dot` on a CPU with bf16
     /// dot products) or "int8" (quantized weights).
     pub matmul_inputs: &'static str,
+    /// The instruction-set levels the CPU kernels dispatch to on this machine
+    /// ([`crate::model::kernels::cpu::isa::CpuLevels::names`]).
+    pub cpu_levels: Vec<&'static str>,
     pub device: String,
     pub threads: usize,
     pub max_context: usize,

@@ -550,6 +550,7 @@ impl PyEngine {
         d.set_item("kv_dtype", i.kv_dtype)?;
         d.set_item("quantize", i.quantize)?;
         d.set_item("matmul_inputs", i.matmul_inputs)?;
+        d.set_item("cpu_levels", &i.cpu_levels)?;
         match &i.speculative {
             Some(o) => {
                 let spec = PyDict::new(py);

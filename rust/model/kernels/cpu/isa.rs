@@ -17,6 +17,22 @@ pub struct CpuLevels {
     pub avx512_bf16: bool,
 }
 
+impl CpuLevels {
+    /// The levels present, by name (`avx2`, `avx512`, `avx512_vnni`, `avx512_bf16`): what the
+    /// kernels may dispatch to on this CPU (none: the portable paths only).
+    pub fn names(&self) -> Vec<&'static str> {
+        [
+            (self.avx2, "avx2"),
+            (self.avx512, "avx512"),
+            (self.avx512_vnni, "avx512_vnni"),
+            (self.avx512_bf16, "avx512_bf16"),
+        ]
+        .into_iter()
+        .filter_map(|(has, name)| has.then_some(name))
+        .collect()
+    }
+}
+
 /// This CPU's levels (the first call detects them).
 pub fn cpu() -> CpuLevels {
     static LEVELS: OnceLock<CpuLevels> = OnceLock::new();
@@ -69,5 +85,14 @@ mod tests {
                 && is_x86_feature_detected!("f16c")
         );
         assert_eq!(cpu(), c, "detected once");
+        let names = c.names();
+        assert_eq!(names.contains(&"avx512_vnni"), c.avx512_vnni);
+        assert_eq!(
+            names.len(),
+            [c.avx2, c.avx512, c.avx512_vnni, c.avx512_bf16]
+                .iter()
+                .filter(|&&x| x)
+                .count()
+        );
     }
 }
