@@ -1022,7 +1022,9 @@ mod tests {
                     let mut scratch = MatmulScratch::with_panel_rows(3, k, 1, 16);
                     linear_with(isa, &target, 1, w, bias, &mut alone, &mut scratch);
                     check(&target, 1, w, bias, &alone);
-                    for (i, &n) in [1usize, 5, 8, 9, 16, 32, 33, 64, 65, 300]
+                    // 1 and 2 tokens: one row at a time; 3 and 4: 4-row groups; 5 to 16: the
+                    // wide tiles; past them the panels.
+                    for (i, &n) in [1usize, 2, 3, 4, 5, 8, 9, 16, 32, 33, 64, 65, 300]
                         .iter()
                         .enumerate()
                     {
@@ -1257,6 +1259,67 @@ mod timing {
                 acc.iter().map(|&v| v as u64).sum::<u64>()
             })
             .sum()
+    }
+
+    /// A decode step's float-weight products from memory (`copies` distinct matrices in turn,
+    /// 512 MiB in all): the stream driver (f32 inputs) against the bf16-dot kernel, which
+    /// reads its rows the same way (on a CPU with bf16 dot products). `TIMING_SHAPE="m k n"` (default 8192 2048 1),
+    /// `TIMING_AVX2=1` forces the AVX2 driver.
+    #[test]
+    #[ignore]
+    fn timing_decode_from_memory() {
+        use crate::model::kernels::cpu::matmul_bf16dot::{
+            available, linear_bf16dot, Bf16Out, Bf16Scratch,
+        };
+        if !available() {
+            return;
+        }
+        let shape: Vec<usize> = std::env::var("TIMING_SHAPE")
+            .unwrap_or_else(|_| "8192 2048 1".into())
+            .split_whitespace()
+            .map(|v| v.parse().expect("TIMING_SHAPE: m k n"))
+            .collect();
+        let (m, k, n) = (shape[0], shape[1], shape[2]);
+        let isa = match std::env::var_os("TIMING_AVX2") {
+            Some(_) => Isa::Avx2,
+            None => Isa::detect(),
+        };
+        let copies = ((512 << 20) / (m * k * 2)).max(1);
+        let w: Vec<bf16> = (0..m * k * copies)
+            .map(|i| bf16::from_f32((i % 17) as f32 * 0.01))
+            .collect();
+        let x = vec![0.5f32; k * n];
+        let mut y = vec![0f32; m * n];
+        let mut scratch = Bf16Scratch::new(n, k);
+        let mat = |c: usize| MatRef {
+            data: WeightData::Bf16(&w[c * m * k..(c + 1) * m * k]),
+            rows: m,
+            cols: k,
+        };
+        let gb = |t: f64| (m * k * 2) as f64 / t / 1e9;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            for i in 0..4 * copies {
+                linear_stream(isa, &x, n, mat(i % copies), None, &mut y);
+            }
+            let ts = t0.elapsed().as_secs_f64() / (4 * copies) as f64;
+            let t0 = Instant::now();
+            for i in 0..4 * copies {
+                let w = mat(i % copies);
+                let out = Bf16Out {
+                    w,
+                    bias: None,
+                    y: &mut y,
+                };
+                linear_bf16dot(&x, n, &mut [out], &mut scratch);
+            }
+            let td = t0.elapsed().as_secs_f64() / (4 * copies) as f64;
+            println!(
+                "{isa:?} [{m},{k}] n={n}: f32 inputs {:.1} GB/s, bf16 dot {:.1} GB/s",
+                gb(ts),
+                gb(td)
+            );
+        }
     }
 
     #[test]

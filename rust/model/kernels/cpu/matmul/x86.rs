@@ -186,24 +186,27 @@ macro_rules! avx512_rows {
             }
         }
 
-        /// The R x T dot products of whole rows, reduced.
+        /// The R x T dot products of whole rows, reduced (`PF`: prefetch the next R rows).
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
         #[inline]
-        unsafe fn $block<const R: usize, const T: usize>(
+        unsafe fn $block<const R: usize, const T: usize, const PF: bool>(
             w: *const $elem,
             k: usize,
             x: *const f32,
         ) -> [[f32; R]; T] {
             let mut acc = [[_mm512_setzero_ps(); R]; T];
-            $steps::<R, T, true>(w, k, x, k, &mut acc, k);
+            $steps::<R, T, PF>(w, k, x, k, &mut acc, k);
             reduce(&acc)
         }
 
         /// Stream driver: rows `r0..r1` for all `n` tokens, each group of weight rows read
-        /// from memory once. Up to 4 tokens: groups of 4 rows (4x4 accumulators + 4 weight
-        /// vectors fit in 32 zmm). More tokens: groups of 3 rows against tiles of up to 8
-        /// tokens (24 accumulators), so that a weight vector is widened once per 8 tokens,
-        /// not once per 4 (widening takes a shuffle-port uop that the FMAs also need).
+        /// from memory once. Up to [`ONE_ROW_MAX_TOKENS`] tokens (decode): one row at a
+        /// time, unprefetched, so the task's rows are one sequential stream that the
+        /// hardware prefetcher follows. Up to 4 tokens: groups of 4 rows (4x4 accumulators
+        /// and 4 weight vectors fit in 32 zmm), the next group prefetched. More tokens:
+        /// groups of 3 rows against tiles of up to 8 tokens (24 accumulators), so that a
+        /// weight vector is widened once per 8 tokens, not once per 4 (widening takes a
+        /// shuffle-port uop that the FMAs also need).
         #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
         pub(super) unsafe fn $rows(
             w: *const $elem,
@@ -216,20 +219,20 @@ macro_rules! avx512_rows {
         ) {
             // One R-row group against token tiles of up to T tokens (T <= 8).
             macro_rules! group {
-                ($R:literal, $T:literal, $wr:expr, $r:expr) => {{
+                ($R:literal, $T:literal, $PF:literal, $wr:expr, $r:expr) => {{
                     let mut t = 0;
                     while t < n {
                         let xt = x.add(t * k);
                         let tt = (n - t).min($T);
                         match tt {
-                            1 => out.store(&$block::<$R, 1>($wr, k, xt), t, $r),
-                            2 => out.store(&$block::<$R, 2>($wr, k, xt), t, $r),
-                            3 => out.store(&$block::<$R, 3>($wr, k, xt), t, $r),
-                            4 => out.store(&$block::<$R, 4>($wr, k, xt), t, $r),
-                            5 => out.store(&$block::<$R, 5>($wr, k, xt), t, $r),
-                            6 => out.store(&$block::<$R, 6>($wr, k, xt), t, $r),
-                            7 => out.store(&$block::<$R, 7>($wr, k, xt), t, $r),
-                            _ => out.store(&$block::<$R, 8>($wr, k, xt), t, $r),
+                            1 => out.store(&$block::<$R, 1, $PF>($wr, k, xt), t, $r),
+                            2 => out.store(&$block::<$R, 2, $PF>($wr, k, xt), t, $r),
+                            3 => out.store(&$block::<$R, 3, $PF>($wr, k, xt), t, $r),
+                            4 => out.store(&$block::<$R, 4, $PF>($wr, k, xt), t, $r),
+                            5 => out.store(&$block::<$R, 5, $PF>($wr, k, xt), t, $r),
+                            6 => out.store(&$block::<$R, 6, $PF>($wr, k, xt), t, $r),
+                            7 => out.store(&$block::<$R, 7, $PF>($wr, k, xt), t, $r),
+                            _ => out.store(&$block::<$R, 8, $PF>($wr, k, xt), t, $r),
                         }
                         t += tt;
                     }
@@ -238,21 +241,25 @@ macro_rules! avx512_rows {
             // 8-token tiles while 8 token rows stay in L1 beside the weights (k <= 768:
             // 24 KiB); past that the x traffic of 3-row groups outweighs what they save.
             let wide = n > 4 && n <= 16 && k <= WIDE_TILE_MAX_K;
+            let one_row = n <= ONE_ROW_MAX_TOKENS;
             let mut r = r0;
             while r < r1 {
                 let wr = w.add(r * k);
                 let left = r1 - r;
-                if wide && left >= 3 {
-                    group!(3, 8, wr, r);
+                if one_row {
+                    group!(1, 4, false, wr, r);
+                    r += 1;
+                } else if wide && left >= 3 {
+                    group!(3, 8, true, wr, r);
                     r += 3;
                 } else if wide {
-                    group!(1, 8, wr, r);
+                    group!(1, 8, true, wr, r);
                     r += 1;
                 } else if left >= 4 {
-                    group!(4, 4, wr, r);
+                    group!(4, 4, true, wr, r);
                     r += 4;
                 } else {
-                    group!(1, 4, wr, r);
+                    group!(1, 4, true, wr, r);
                     r += 1;
                 }
             }
@@ -287,6 +294,14 @@ avx512_rows!(
 
 /// Longest rows for which the stream driver uses 3-row x 8-token tiles (see `$rows`).
 const WIDE_TILE_MAX_K: usize = 768;
+
+/// Tokens up to which the AVX-512 stream driver reads one weight row at a time, unprefetched:
+/// a decode step's weights as one sequential stream, which the hardware prefetcher follows
+/// closer to the memory's rate than 4 interleaved rows with explicit prefetches
+/// (docs/benchmarks.md, "Decode of float weights: one row at a time"). Past it the widening
+/// of each weight vector is shared by too few tokens. The AVX2 driver does so for one token
+/// only (at two, its 8-lane widening already costs more than the stream saves).
+const ONE_ROW_MAX_TOKENS: usize = 2;
 
 /// The panel driver's register tile: PANEL_R weight rows x PANEL_T tokens.
 const PANEL_R: usize = 4;
@@ -471,7 +486,7 @@ macro_rules! avx2_rows {
     ($rows:ident, $block:ident, $elem:ty, $ld:ident, $sc:ident) => {
         #[target_feature(enable = "avx2,fma,f16c")]
         #[inline]
-        unsafe fn $block<const R: usize, const T: usize>(
+        unsafe fn $block<const R: usize, const T: usize, const PF: bool>(
             w: *const $elem,
             k: usize,
             x: *const f32,
@@ -483,7 +498,9 @@ macro_rules! avx2_rows {
                 for (r, v) in wv.iter_mut().enumerate() {
                     *v = $ld(w.add(r * k + c));
                     // Next row group's line: see the AVX-512 kernel.
-                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((R + r) * k + c).cast());
+                    if PF {
+                        _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add((R + r) * k + c).cast());
+                    }
                 }
                 for (t, a) in acc.iter_mut().enumerate() {
                     let xv = _mm256_loadu_ps(x.add(t * k + c));
@@ -509,9 +526,10 @@ macro_rules! avx2_rows {
         /// Rows `r0..r1` for all `n` tokens, in blocks of 3 rows x up to 4 tokens: 12
         /// accumulators, 3 weight vectors and the token's vector fill the 16 ymm registers,
         /// and each weight vector loaded serves 4 tokens (a 4x2 block's served 2, which left
-        /// the FMAs waiting on loads). Every output's arithmetic is the block's whatever its
-        /// shape (lane-strided FMA chains, `hsum256`, the scalar tail), so the tiling does
-        /// not change a bit.
+        /// the FMAs waiting on loads); one token (decode), one row at a time, unprefetched,
+        /// as the AVX-512 driver ([`ONE_ROW_MAX_TOKENS`]). Every output's arithmetic is the
+        /// block's whatever its shape (lane-strided FMA chains, `hsum256`, the scalar tail),
+        /// so the tiling does not change a bit.
         #[target_feature(enable = "avx2,fma,f16c")]
         pub(super) unsafe fn $rows(
             w: *const $elem,
@@ -524,21 +542,26 @@ macro_rules! avx2_rows {
         ) {
             let mut r = r0;
             while r < r1 {
-                let three = r1 - r >= 3;
                 let wr = w.add(r * k);
+                if n == 1 {
+                    out.store(&$block::<1, 1, false>(wr, k, x), 0, r);
+                    r += 1;
+                    continue;
+                }
+                let three = r1 - r >= 3;
                 let mut t = 0;
                 while t < n {
                     let xt = x.add(t * k);
                     let tt = (n - t).min(4);
                     match (three, tt) {
-                        (true, 1) => out.store(&$block::<3, 1>(wr, k, xt), t, r),
-                        (true, 2) => out.store(&$block::<3, 2>(wr, k, xt), t, r),
-                        (true, 3) => out.store(&$block::<3, 3>(wr, k, xt), t, r),
-                        (true, _) => out.store(&$block::<3, 4>(wr, k, xt), t, r),
-                        (false, 1) => out.store(&$block::<1, 1>(wr, k, xt), t, r),
-                        (false, 2) => out.store(&$block::<1, 2>(wr, k, xt), t, r),
-                        (false, 3) => out.store(&$block::<1, 3>(wr, k, xt), t, r),
-                        (false, _) => out.store(&$block::<1, 4>(wr, k, xt), t, r),
+                        (true, 1) => out.store(&$block::<3, 1, true>(wr, k, xt), t, r),
+                        (true, 2) => out.store(&$block::<3, 2, true>(wr, k, xt), t, r),
+                        (true, 3) => out.store(&$block::<3, 3, true>(wr, k, xt), t, r),
+                        (true, _) => out.store(&$block::<3, 4, true>(wr, k, xt), t, r),
+                        (false, 1) => out.store(&$block::<1, 1, true>(wr, k, xt), t, r),
+                        (false, 2) => out.store(&$block::<1, 2, true>(wr, k, xt), t, r),
+                        (false, 3) => out.store(&$block::<1, 3, true>(wr, k, xt), t, r),
+                        (false, _) => out.store(&$block::<1, 4, true>(wr, k, xt), t, r),
                     }
                     t += tt;
                 }
