@@ -241,7 +241,7 @@ macro_rules! avx512_rows {
             // 8-token tiles while 8 token rows stay in L1 beside the weights (k <= 768:
             // 24 KiB); past that the x traffic of 3-row groups outweighs what they save.
             let wide = n > 4 && n <= 16 && k <= WIDE_TILE_MAX_K;
-            let one_row = n <= ONE_ROW_MAX_TOKENS;
+            let one_row = n <= ONE_ROW_MAX_TOKENS && k <= ONE_ROW_MAX_K;
             let mut r = r0;
             while r < r1 {
                 let wr = w.add(r * k);
@@ -302,6 +302,10 @@ const WIDE_TILE_MAX_K: usize = 768;
 /// of each weight vector is shared by too few tokens. The AVX2 driver does so for one token
 /// only (at two, its 8-lane widening already costs more than the stream saves).
 const ONE_ROW_MAX_TOKENS: usize = 2;
+/// Longest rows read one at a time: the token's f32 row (16 KiB here) stays in L1 beside the
+/// stream. Longer ones (a down projection's) are read by 4-row groups, which load each input
+/// vector once for 4 rows instead of once a row from L2.
+const ONE_ROW_MAX_K: usize = 4096;
 
 /// The panel driver's register tile: PANEL_R weight rows x PANEL_T tokens.
 const PANEL_R: usize = 4;
@@ -543,7 +547,7 @@ macro_rules! avx2_rows {
             let mut r = r0;
             while r < r1 {
                 let wr = w.add(r * k);
-                if n == 1 {
+                if n == 1 && k <= ONE_ROW_MAX_K {
                     out.store(&$block::<1, 1, false>(wr, k, x), 0, r);
                     r += 1;
                     continue;
