@@ -1022,8 +1022,8 @@ mod tests {
                     let mut scratch = MatmulScratch::with_panel_rows(3, k, 1, 16);
                     linear_with(isa, &target, 1, w, bias, &mut alone, &mut scratch);
                     check(&target, 1, w, bias, &alone);
-                    // 1 and 2 tokens: one row at a time; 3 and 4: 4-row groups; 5 to 16: the
-                    // wide tiles; past them the panels.
+                    // 1 and 2 tokens: one row at a time (AVX2: 1); 3 and 4: 4-row groups; 5
+                    // to 16: the wide tiles; past them the panels.
                     for (i, &n) in [1usize, 2, 3, 4, 5, 8, 9, 16, 32, 33, 64, 65, 300]
                         .iter()
                         .enumerate()
@@ -1263,8 +1263,8 @@ mod timing {
 
     /// A decode step's float-weight products from memory (`copies` distinct matrices in turn,
     /// 512 MiB in all): the stream driver (f32 inputs) against the bf16-dot kernel, which
-    /// reads its rows the same way (on a CPU with bf16 dot products). `TIMING_SHAPE="m k n"` (default 8192 2048 1),
-    /// `TIMING_AVX2=1` forces the AVX2 driver.
+    /// reads its rows the same way (on a CPU with bf16 dot products).
+    /// `TIMING_SHAPE="m k n"` (default 8192 2048 1); `TIMING_AVX2=1` forces the AVX2 driver.
     #[test]
     #[ignore]
     fn timing_decode_from_memory() {

@@ -200,9 +200,9 @@ macro_rules! avx512_rows {
         }
 
         /// Stream driver: rows `r0..r1` for all `n` tokens, each group of weight rows read
-        /// from memory once. Up to [`ONE_ROW_MAX_TOKENS`] tokens (decode): one row at a
-        /// time, unprefetched, so the task's rows are one sequential stream that the
-        /// hardware prefetcher follows. Up to 4 tokens: groups of 4 rows (4x4 accumulators
+        /// from memory once. Up to [`ONE_ROW_MAX_TOKENS`] tokens (decode) over rows of at
+        /// most [`ONE_ROW_MAX_K`] columns: one row at a time, unprefetched, so the task's rows
+        /// are one sequential stream that the hardware prefetcher follows. Up to 4 tokens: groups of 4 rows (4x4 accumulators
         /// and 4 weight vectors fit in 32 zmm), the next group prefetched. More tokens:
         /// groups of 3 rows against tiles of up to 8 tokens (24 accumulators), so that a
         /// weight vector is widened once per 8 tokens, not once per 4 (widening takes a
@@ -530,8 +530,9 @@ macro_rules! avx2_rows {
         /// Rows `r0..r1` for all `n` tokens, in blocks of 3 rows x up to 4 tokens: 12
         /// accumulators, 3 weight vectors and the token's vector fill the 16 ymm registers,
         /// and each weight vector loaded serves 4 tokens (a 4x2 block's served 2, which left
-        /// the FMAs waiting on loads); one token (decode), one row at a time, unprefetched,
-        /// as the AVX-512 driver ([`ONE_ROW_MAX_TOKENS`]). Every output's arithmetic is the
+        /// the FMAs waiting on loads); one token (decode) over rows of at most
+        /// [`ONE_ROW_MAX_K`] columns, one row at a time, unprefetched, as the AVX-512 driver
+        /// ([`ONE_ROW_MAX_TOKENS`]). Every output's arithmetic is the
         /// block's whatever its shape (lane-strided FMA chains, `hsum256`, the scalar tail),
         /// so the tiling does not change a bit.
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -544,10 +545,11 @@ macro_rules! avx2_rows {
             n: usize,
             out: Out,
         ) {
+            let one_row = n == 1 && k <= ONE_ROW_MAX_K;
             let mut r = r0;
             while r < r1 {
                 let wr = w.add(r * k);
-                if n == 1 && k <= ONE_ROW_MAX_K {
+                if one_row {
                     out.store(&$block::<1, 1, false>(wr, k, x), 0, r);
                     r += 1;
                     continue;
