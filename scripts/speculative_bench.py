@@ -116,9 +116,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
     before = history(args.history)
     rates: dict[str, dict[str, list[float]]] = {w: {name: [] for name in names} for w in workloads}
-    totals: dict[str, dict[str, int]] = {
-        name: {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "steps": 0} for name in names
-    }
+    counted = (
+        "spec_draft_tokens",
+        "spec_accepted_tokens",
+        "spec_draft_detached",
+        "spec_draft_model_tokens",
+        "steps",
+    )
+    totals: dict[str, dict[str, int]] = {name: dict.fromkeys(counted, 0) for name in names}
     equal = True
     plain_outs: dict[str, list[list[int]]] = {}
     for r in range(args.rounds):
@@ -168,7 +173,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 line.append(f"{name} {speed:.1f} tok/s ({ratio:.2f}x)")
         print(", ".join(line))
     for name, d in result["drafts"].items():
-        print(f"{name}: drafts accepted {d['spec_accepted_tokens']}/{d['spec_draft_tokens']}")
+        print(
+            f"{name}: drafts accepted {d['spec_accepted_tokens']}/{d['spec_draft_tokens']}, "
+            f"detached {d['spec_draft_detached']}, draft model fed {d['spec_draft_model_tokens']}"
+        )
     print(f"outputs equal: {equal}")
     return result
 

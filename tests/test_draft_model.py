@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from strata_rs import Engine, InvalidRequest, ModelLoadError
+from strata_rs.testing.models import make_model
 from test_speculative import FAMILIES, GREEDY, PROMPT, load, outputs
 
 pytestmark = pytest.mark.anyio
@@ -132,6 +133,75 @@ async def test_the_draft_k_v_travels_with_the_host_tier(model_dir: MakeModel, fa
     drafts = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
     # Drafts wait where their blocks would evict cached ones (this pool is full of them).
     assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == drafts >= 60
+
+
+async def test_a_draft_that_stays_rejected_detaches_and_its_conversation_stays_detached(
+    model_dir: MakeModel, tmp_path: Path
+) -> None:
+    """Another random model of the same tokenizer proposes what the target almost never picks:
+    the adaptive policy detaches it (its draft model feeds no more tokens, so it costs nothing
+    more), and the blocks indexed after that say they hold no draft K/V, also once moved to the
+    host tier and back: the returning turn starts detached, feeds the draft nothing, and still
+    gives the cold output."""
+    model = model_dir("llama")
+    stranger = make_model(tmp_path / "stranger", "llama", "tiny", "f32", seed=1)
+    plain, _ = await outputs(model, [PROMPT], [GREEDY])
+    history = PROMPT + plain[0].token_ids + [12, 13, 5, 6, 7]
+    cold, _ = await outputs(model, [history], [GREEDY])
+    options = {"max_context": 256, "host_cache_mib": 64}
+    engine = await load(model, speculative=str(stranger), num_speculative_tokens=4, **options)
+    try:
+        first = await engine.complete(PROMPT, **GREEDY)
+        one = engine.stats()
+        # Other conversations (not drafting) push this one's blocks to the host tier.
+        for i in range(3):
+            filler = [40 + i] * 200
+            await engine.complete(filler, max_tokens=1, temperature=0, speculative=False)
+        before = engine.stats()
+        again = await engine.complete(history, **GREEDY)
+        two = engine.stats()
+    finally:
+        await engine.close()
+    assert first.token_ids == plain[0].token_ids
+    assert one["spec_draft_detached"] == 1
+    assert one["spec_accepted_tokens"] < one["spec_draft_tokens"] <= 12
+    # Kept attached, its catch-up alone would feed every full block: 112 of the 113 tokens.
+    assert one["spec_draft_model_tokens"] < 112 - 16
+    assert before["spec_draft_model_tokens"] == one["spec_draft_model_tokens"], "opted out"
+    assert two["cache"]["hit_tokens"]["host"] >= 96
+    assert again.token_ids == cold[0].token_ids
+    assert two["spec_draft_detached"] == 2
+    assert two["spec_draft_tokens"] == before["spec_draft_tokens"]
+    assert two["spec_draft_model_tokens"] == before["spec_draft_model_tokens"]
+
+
+async def test_a_request_that_opts_out_costs_the_draft_nothing(model_dir: MakeModel) -> None:
+    """A request with `speculative=False` feeds the draft model nothing, so its blocks hold no
+    draft K/V: its conversation returning with drafts on starts detached (the target as its own
+    draft would have had every draft accepted)."""
+    from test_server import asgi_client
+
+    model = model_dir("qwen3")
+    engine = await load(model, **drafting(model, speculative_adaptive=True))
+    try:
+        first = await engine.complete(PROMPT, **GREEDY, speculative=False)
+        one = engine.stats()
+        history = PROMPT + first.token_ids + [12, 13, 5, 6, 7]
+        again = await engine.complete(history, **GREEDY)
+        two = engine.stats()
+        async with asgi_client(engine) as client:
+            metrics = (await client.get("/metrics")).text
+    finally:
+        await engine.close()
+    assert "strata:spec_decode_draft_detached_total 1.0" in metrics
+    assert "strata:spec_decode_draft_model_tokens_total 0.0" in metrics
+    cold, _ = await outputs(model, [history], [GREEDY])
+    assert one["spec_draft_model_tokens"] == one["spec_draft_tokens"] == 0
+    assert one["spec_draft_detached"] == 0
+    assert again.token_ids == cold[0].token_ids
+    assert two["prefix_hit_tokens"] >= 96
+    assert (two["spec_draft_detached"], two["spec_draft_tokens"]) == (1, 0)
+    assert two["spec_draft_model_tokens"] == 0
 
 
 async def test_the_draft_k_v_survives_a_restart_on_disk(

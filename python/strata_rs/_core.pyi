@@ -462,6 +462,11 @@ class EngineStatsDict(TypedDict):
     spec_accepted_tokens: int
     spec_accepted_per_step: Histogram
     """Drafts accepted per verification (one per drafting sequence and step)."""
+    spec_draft_detached: int
+    """Sequences whose draft model stopped: its drafts stayed rejected, or a prefix hit found
+    blocks without its K/V."""
+    spec_draft_model_tokens: int
+    """Tokens a draft model fed: its proposals and its catch-up over what the target computed."""
     stopped: str | None
     cache: CacheStatsDict
     memory: dict[str, DeviceMemory]

@@ -176,6 +176,7 @@ impl EngineCore {
                 .speculative
                 .filter(|_| p.speculative)
                 .map(|o| DraftLength::new(o.max_drafts));
+            seq.draft_kv = seq.drafting.is_some();
             self.next_seq_id += 1;
             self.scheduler.waiting.push_back(seq);
         }
@@ -287,6 +288,8 @@ impl EngineCore {
                     }
                 })
                 .collect();
+            self.local.spec_draft_model_tokens +=
+                batch.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
             let out = &mut self.draft_logits[..fed.len() * draft_vocab];
             self.runner.draft_step(&batch, out)?;
             for (row, &i) in fed.iter().enumerate() {
@@ -305,12 +308,13 @@ impl EngineCore {
     }
 
     /// With a draft model, feeds it what the target computed and it has not (prefill chunks,
-    /// decode rows, a last accepted draft) for each sequence of the step that filled a block:
-    /// so every full block, the only kind the prefix index and the tiers keep, has its draft
-    /// K/V once the step ends, and a prefix hit or a restore serves both models. The rows of a
-    /// block not yet full wait, fed a block at a time or by the sequence's next
-    /// proposal (`propose`): a sequence that does not draft costs the draft model a chunk per
-    /// block, not a forward per step.
+    /// decode rows, a last accepted draft) for each sequence of the step that keeps the draft's
+    /// K/V (`Sequence::draft_kv`) and filled a block: so every full block such a sequence
+    /// indexes, the only kind the prefix index and the tiers keep, has its draft K/V once the
+    /// step ends, and a prefix hit or a restore serves both models. The rows of a block not yet
+    /// full wait, fed a block at a time or by the sequence's next proposal (`propose`): a
+    /// sequence whose drafting is paused costs the draft model a chunk per block, not a forward
+    /// per step; one that detached or never drafted costs it nothing.
     fn catch_up_draft(&mut self, plan: &[Chunk]) -> Result<()> {
         if self.runner.draft_vocab().is_none() {
             return Ok(());
@@ -321,7 +325,7 @@ impl EngineCore {
             .filter_map(|c| self.scheduler.running.iter().position(|s| s.id == c.seq))
             .filter(|&i| {
                 let seq = &self.scheduler.running[i];
-                seq.computed / bs > seq.draft_computed / bs
+                seq.draft_kv && seq.computed / bs > seq.draft_computed / bs
             })
             .collect();
         if behind.is_empty() {
@@ -339,6 +343,8 @@ impl EngineCore {
                 }
             })
             .collect();
+        self.local.spec_draft_model_tokens +=
+            batch.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
         self.runner.draft_step(&batch, &mut [])?;
         for &i in &behind {
             let seq = &mut self.scheduler.running[i];
@@ -720,6 +726,7 @@ impl EngineCore {
         st.preemptions = c.preemptions;
         st.prefix_query_tokens = c.prefix_query_tokens;
         st.prefix_hit_tokens = c.prefix_hit_tokens;
+        st.spec_draft_detached = c.draft_detached;
         st.cache.clone_from(self.cache.stats());
         st.graphs = self.runner.graph_stats();
         st.copy_streams = self.runner.copy_streams();

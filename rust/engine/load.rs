@@ -420,9 +420,12 @@ fn size(opts: &EngineOptions, setup: &Setup, loaded: &mut Loaded) -> Result<Sizi
         num_layers: config.num_layers as u32,
         kv_heads: config.num_kv_heads as u32,
         head_dim: config.head_dim as u32,
-        // With window slots a block's bytes end in whether its sliding layers' part is there
+        // A draft model's part is followed by whether the block holds it, and with window
+        // slots a block's bytes end in whether its sliding layers' part is there
         // (`BlockPool::read_block`).
-        block_bytes: block_bytes as u64 + u64::from(kv_window.is_some()),
+        block_bytes: block_bytes as u64
+            + u64::from(loaded.draft.is_some())
+            + u64::from(kv_window.is_some()),
     };
     Ok(Sizing {
         max_context,
@@ -565,6 +568,7 @@ fn build_and_spawn(
         ..
     } = sizing;
     let salt = sizing.layout.salt;
+    let block_layout_bytes = sizing.layout.block_bytes;
     let kv_window_slots = kv_window.as_ref().map_or(0, |w| w.num_slots);
     let (threads, speculative, devices) = (setup.threads, setup.speculative, setup.devices);
     let config = model.config.clone();
@@ -625,6 +629,13 @@ fn build_and_spawn(
         // (`EngineCore::catch_up_draft`, `EngineCore::propose`).
         let rows = max_batch_tokens + max_batch * (BLOCK_SIZE + 1);
         runner.attach_draft(memory, d, rows, threads)?;
+    }
+    // The tiers copy blocks through buffers of the layout's size.
+    if runner.kv.is_host() && runner.kv.bytes_per_block() as u64 != block_layout_bytes {
+        return Err(StrataError::Internal(format!(
+            "a block's bytes: the pool has {}, the tiers' layout {block_layout_bytes}",
+            runner.kv.bytes_per_block()
+        )));
     }
     let info = EngineInfo {
         model_dir: source.path().to_path_buf(),

@@ -129,6 +129,9 @@ const FIRST_PAUSE: u32 = 4;
 /// How much of the acceptance counts each verification keeps (about the last 10 count).
 const RATE_DECAY: f64 = 0.9;
 const MAX_PAUSE: u32 = 128;
+/// Below this estimated acceptance a draft barely pays for its verification row, and a draft
+/// model costs its catch-up on every token besides (`Scheduler::draft` detaches it).
+const DETACH_RATE: f64 = 0.1;
 
 impl DraftLength {
     pub fn new(max_drafts: usize) -> Self {
@@ -145,6 +148,13 @@ impl DraftLength {
     /// The estimated chance that a draft is accepted.
     pub fn rate(&self) -> f64 {
         self.accepted / self.checked
+    }
+
+    /// Whether the drafts have stayed rejected long enough to stop drafting for good: the
+    /// estimate is below `DETACH_RATE`, which from the prior takes about six rejected checks
+    /// in a row (with the pauses between them, some 30 steps).
+    pub fn stays_rejected(&self) -> bool {
+        self.rate() < DETACH_RATE
     }
 
     /// Drafts to try this step (0 while paused).
@@ -292,6 +302,31 @@ mod tests {
             d.update(4, 4, 4);
         }
         assert!(d.rate() > 0.99);
+    }
+
+    #[test]
+    fn drafts_that_stay_rejected_are_given_up_and_half_right_ones_are_not() {
+        let mut d = DraftLength::new(4);
+        let (mut steps, mut checks) = (0, 0);
+        while !d.stays_rejected() {
+            let k = d.take();
+            if k > 0 {
+                d.update(k, 0, 4);
+                checks += 1;
+            }
+            steps += 1;
+        }
+        // 4, 2 and 1 drafts rejected, then one draft after pauses of 4, 8 and 16 steps.
+        assert_eq!((checks, steps), (6, 34));
+        // Every other step's drafts all accepted, the others' all rejected: about half right.
+        let mut d = DraftLength::new(4);
+        for step in 0..1000 {
+            let k = d.take();
+            if k > 0 {
+                d.update(k, if step % 2 == 0 { k } else { 0 }, 4);
+            }
+            assert!(!d.stays_rejected(), "step {step}: rate {}", d.rate());
+        }
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub struct SchedulerCounters {
     /// (the tiers below count their own hits).
     pub prefix_query_tokens: u64,
     pub prefix_hit_tokens: u64,
+    /// Sequences that stopped keeping a draft model's K/V (`Sequence::draft_kv`).
+    pub draft_detached: u64,
 }
 
 /// Generic over the sequences' `Output`, which it never reads: the engine schedules
@@ -267,7 +269,14 @@ impl<O> Scheduler<O> {
         seq.table = hit;
         seq.table.extend(fresh);
         seq.computed = cached;
-        seq.draft_computed = cached;
+        // The draft model continues from where its K/V ends: a sequence that keeps it and
+        // found blocks without it (indexed by one that did not) cannot compute it in blocks it
+        // shares, so it detaches.
+        seq.draft_computed = kv.draft_kv_prefix(&seq.table[..cached / bs]) * bs;
+        if seq.draft_kv && seq.draft_computed < cached {
+            seq.draft_kv = false;
+            self.counters.draft_detached += 1;
+        }
         seq.window_from = kv.first_kept(cached);
         kv.enter_windows(&seq.table, seq.window_from);
         self.running.push(seq);
@@ -319,6 +328,9 @@ impl<O> Scheduler<O> {
         let (Some(options), Some(drafting)) = (self.speculative, seq.drafting.as_mut()) else {
             return 0;
         };
+        if options.model && !seq.draft_kv {
+            return 0;
+        }
         // Every draft accepted, plus the token after them, must fit the sequence's length.
         let fits = seq.max_len.saturating_sub(seq.tokens.len() + 1);
         let max = drafting.take().min(room).min(fits);
@@ -330,6 +342,16 @@ impl<O> Scheduler<O> {
         }
         if options.adaptive {
             let n = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
+            // Paused, a draft model still costs its catch-up on every token. One whose drafts
+            // stay rejected, or whose rate no draft pays at (a rate no draft then updates),
+            // stops for the rest of the sequence.
+            let pays = n > 0 || seq.drafts.is_empty();
+            if options.model && (drafting.stays_rejected() || !pays) {
+                seq.draft_kv = false;
+                seq.drafts.clear();
+                self.counters.draft_detached += 1;
+                return 0;
+            }
             seq.drafts.truncate(n);
         }
         let n = seq.drafts.len();
@@ -431,6 +453,10 @@ impl<O> Scheduler<O> {
                     seq.hashes[b],
                     &seq.tokens[b * bs..(b + 1) * bs],
                 );
+                // A sequence that keeps the draft's K/V has it in every full block once the
+                // step ends (`EngineCore::catch_up_draft`).
+                let with_draft = seq.draft_kv || (b + 1) * bs <= seq.draft_computed;
+                kv.set_draft_kv(seq.table[b], with_draft);
             }
             seq.registered = full;
         }
@@ -730,6 +756,38 @@ mod tests {
         assert_eq!(s.running[0].cached_tokens, 4);
         assert_eq!(s.counters.prefix_hit_tokens, 12);
         assert_eq!(s.counters.prefix_query_tokens, 9 + 9 + 8);
+    }
+
+    #[test]
+    fn blocks_say_whether_they_hold_the_draft_k_v_and_a_hit_without_it_detaches() {
+        let mut kv = pool(16);
+        kv.attach_draft(1, 1, 2).unwrap();
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
+        let run = |s: &mut Scheduler<()>, kv: &mut BlockPool, id, prompt: &[u32], draft_kv| {
+            let mut q = seq(id, prompt.to_vec());
+            q.draft_kv = draft_kv;
+            s.waiting.push_back(q);
+            fake_step(s, kv);
+            let q = s.running.remove(0);
+            kv.release(&q.table);
+            (q.cached_tokens, q.draft_kv, q.draft_computed, q.table)
+        };
+        // A sequence that keeps no draft K/V indexes its two full blocks without it.
+        let prompt: Vec<u32> = (1..=9).collect();
+        let (_, _, _, table) = run(&mut s, &mut kv, 0, &prompt, false);
+        assert_eq!(kv.draft_kv_prefix(&table[..2]), 0);
+        // One that keeps it finds them: its draft model has no K/V there to continue from, and
+        // it cannot compute it in shared blocks, so it detaches.
+        let (cached, draft_kv, draft_computed, _) = run(&mut s, &mut kv, 1, &prompt, true);
+        assert_eq!((cached, draft_kv, draft_computed), (8, false, 0));
+        assert_eq!(s.counters.draft_detached, 1);
+        // Blocks indexed by one that keeps it hold it, and a hit on them keeps drafting.
+        let other: Vec<u32> = (50..59).collect();
+        let (_, _, _, table) = run(&mut s, &mut kv, 2, &other, true);
+        assert_eq!(kv.draft_kv_prefix(&table[..2]), 2);
+        let (cached, draft_kv, draft_computed, _) = run(&mut s, &mut kv, 3, &other, true);
+        assert_eq!((cached, draft_kv, draft_computed), (8, true, 8));
+        assert_eq!(s.counters.draft_detached, 1);
     }
 
     #[test]

@@ -48,6 +48,11 @@ pub struct Sequence<O = Output> {
     /// Tokens whose draft-model K/V is in the pool (with a draft model; `<= computed` between
     /// steps, except that a draft-model proposal runs ahead of it within a step).
     pub draft_computed: usize,
+    /// Whether it keeps the draft model's K/V (with a draft model): from admission when it
+    /// drafts, until its drafts stay rejected (it detaches: no more drafts, no draft forward)
+    /// or a prefix hit reaches blocks without the draft's K/V. Its blocks indexed after that
+    /// are marked as without it ([`crate::kv::blocks::BlockPool::set_draft_kv`]).
+    pub draft_kv: bool,
     /// Times admitted (more than once after a preemption).
     pub admissions: u32,
     /// What makes its response; the scheduler never reads it.
@@ -93,6 +98,7 @@ impl<O> Sequence<O> {
             drafts: Vec::new(),
             fed: Vec::new(),
             draft_computed: 0,
+            draft_kv: false,
             admissions: 0,
             out,
         }

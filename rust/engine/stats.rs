@@ -96,6 +96,11 @@ pub struct EngineStats {
     pub spec_draft_tokens: u64,
     pub spec_accepted_tokens: u64,
     pub spec_accepted_per_step: Histogram,
+    /// Sequences whose draft model stopped: its drafts stayed rejected, or a prefix hit found
+    /// blocks without its K/V.
+    pub spec_draft_detached: u64,
+    /// Tokens a draft model fed: its proposals and its catch-up over what the target computed.
+    pub spec_draft_model_tokens: u64,
     /// Why the engine loop stopped, once it has.
     pub stopped: Option<String>,
     /// The conversation cache's tiers, moves and refusals (published as [`CacheReport`]).
@@ -135,6 +140,8 @@ impl Default for EngineStats {
             spec_draft_tokens: 0,
             spec_accepted_tokens: 0,
             spec_accepted_per_step: Histogram::new(ACCEPTED_DRAFT_BOUNDS),
+            spec_draft_detached: 0,
+            spec_draft_model_tokens: 0,
             stopped: None,
             cache: CacheStats::default(),
             graphs: GraphCacheStats::default(),

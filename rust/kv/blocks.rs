@@ -12,7 +12,9 @@
 //! keeps its K/V until the space is needed. Sliding-window layers may keep theirs in fewer
 //! slots ([`crate::kv::window`]): a block has one only while a window still reaches it. A
 //! speculative draft model keeps its own layers' K/V of the same blocks ([`BlockPool::attach_draft`]):
-//! one table, one prefix index, and the tiers move both models' parts of a block together.
+//! one table, one prefix index, and the tiers move both models' parts of a block together. A
+//! sequence that stops drafting stops computing the draft's K/V, so each block says whether it
+//! holds the draft's part ([`BlockPool::set_draft_kv`]), and so does its copy in the tiers.
 
 use crate::error::{Result, StrataError};
 use crate::kv::prefix::{Evicted, PrefixIndex};
@@ -25,7 +27,8 @@ use half::{bf16, f16};
 
 /// The version of the block layout above, part of every prefix hash's salt: blocks kept on disk
 /// in an older layout are another format's, never read as this one. 2: K transposed per block.
-pub const KV_LAYOUT_VERSION: u64 = 2;
+/// 3: a draft model's part is followed by a byte saying whether the block holds it.
+pub const KV_LAYOUT_VERSION: u64 = 3;
 
 /// The format of the K/V cache.
 #[allow(non_camel_case_types)]
@@ -313,6 +316,9 @@ pub struct BlockPool {
     /// A draft model's K/V of the same blocks (its own layers and shape), addressed by this
     /// pool's block ids; only its arrays are used, the bookkeeping is this pool's.
     draft: Option<Box<BlockPool>>,
+    /// Per block, with a draft model: whether the block holds the draft's K/V (set when it is
+    /// indexed or restored; only indexed blocks are ever looked up or moved to the tiers).
+    draft_kv: Vec<bool>,
 }
 
 impl BlockPool {
@@ -489,6 +495,7 @@ impl BlockPool {
             prefix: PrefixIndex::new(num_blocks),
             window: None,
             draft: None,
+            draft_kv: Vec::new(),
         }
     }
 
@@ -511,7 +518,27 @@ impl BlockPool {
             self.kv_dtype,
         )?;
         self.draft = Some(Box::new(pool));
+        self.draft_kv = vec![false; self.num_blocks];
         Ok(())
+    }
+
+    /// Records whether `block` holds the draft model's K/V (a no-op without a draft model).
+    pub fn set_draft_kv(&mut self, block: u32, present: bool) {
+        if let Some(p) = self.draft_kv.get_mut(block as usize) {
+            *p = present;
+        }
+    }
+
+    /// How many leading blocks of `table` hold the draft model's K/V (all of them without a
+    /// draft model).
+    pub fn draft_kv_prefix(&self, table: &[u32]) -> usize {
+        if self.draft.is_none() {
+            return table.len();
+        }
+        table
+            .iter()
+            .take_while(|&&b| self.draft_kv[b as usize])
+            .count()
     }
 
     /// The draft model's K/V, when a draft model is attached: the pool its forward pass writes
@@ -721,8 +748,8 @@ impl BlockPool {
     }
 
     /// Bytes of one block's K/V across all layers, as `read_block` lays them out (a draft
-    /// model's part after them; with window slots, one more: whether the sliding layers' part
-    /// is there).
+    /// model's part after them and a byte saying whether it is there; with window slots, one
+    /// more: whether the sliding layers' part is there).
     pub fn bytes_per_block(&self) -> usize {
         Self::block_bytes(
             self.num_layers(),
@@ -731,6 +758,7 @@ impl BlockPool {
             self.head_dim,
             self.kv_dtype,
         ) + self.draft_block_bytes()
+            + usize::from(self.draft.is_some())
             + usize::from(self.window.is_some())
     }
 
@@ -757,8 +785,8 @@ impl BlockPool {
 
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
-    /// layer order, so the layout is the same whatever the split; a draft model's part follows.
-    /// With window slots, a block without one has zeros for the sliding layers, and the last
+    /// layer order, so the layout is the same whatever the split; a draft model's part follows,
+    /// then a byte that says whether the block holds it (1: it does). With window slots, a block without one has zeros for the sliding layers, and the last
     /// byte says which (1: there). Host blocks always copy; a device's copy can fail (the
     /// caller skips that move).
     pub fn read_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
@@ -772,6 +800,8 @@ impl BlockPool {
             let n = d.bytes_per_block();
             d.read_block(block, &mut out[at..at + n])?;
             at += n;
+            out[at] = u8::from(self.draft_kv[block as usize]);
+            at += 1;
         }
         if let Some(w) = &self.window {
             out[at] = u8::from(w.has_slot(block));
@@ -828,6 +858,7 @@ impl BlockPool {
         if let Some(d) = self.draft.as_mut() {
             let n = d.bytes_per_block();
             d.write_block(block, &data[at..at + n])?;
+            self.draft_kv[block as usize] = data[at + n] == 1;
         }
         Ok(())
     }
@@ -1256,21 +1287,36 @@ mod tests {
         let target = pool.bytes_per_block();
         pool.attach_draft(2, 2, 4).unwrap();
         let draft = BlockPool::block_bytes(2, 2, 2, 4, KvDtype::F32);
-        assert_eq!(pool.bytes_per_block(), target + draft);
+        // The draft's part, then whether the block holds it.
+        assert_eq!(pool.bytes_per_block(), target + draft + 1);
         assert_eq!(pool.draft_storage_bytes(), 3 * draft);
         pool.write(0, 2, &[1.0, 2.0], &[3.0, 4.0]);
         let row: Vec<f32> = (0..8).map(|i| i as f32).collect();
         let d = pool.draft_mut().unwrap();
         d.write(1, 3, &row, &row);
-        let mut bytes = vec![0u8; target + draft];
+        pool.set_draft_kv(1, true);
+        let mut bytes = vec![0u8; target + draft + 1];
         pool.read_block(1, &mut bytes).unwrap();
+        assert_eq!(bytes[target + draft], 1);
+        assert_eq!(pool.draft_kv_prefix(&[2, 1]), 0);
         pool.write_block(2, &bytes).unwrap();
+        assert_eq!(
+            pool.draft_kv_prefix(&[2, 1, 0]),
+            2,
+            "the flag came with the bytes"
+        );
         // Block 2 (slots 4, 5) holds what block 1 (slots 2, 3) held, in both models.
         assert_eq!(pool.layer(0).k_at(4, 0, 1), 2.0);
         assert_eq!(pool.layer(0).v_at(4, 0, 0), 3.0);
         let d = pool.draft_mut().unwrap().layer(1);
         assert_eq!((d.k_at(5, 1, 3), d.v_at(5, 1, 2)), (7.0, 6.0));
         assert_eq!(d.k_at(4, 1, 3), 0.0);
+        // A block indexed without the draft's K/V says so in its bytes, and its copy too.
+        pool.set_draft_kv(1, false);
+        pool.read_block(1, &mut bytes).unwrap();
+        assert_eq!(bytes[target + draft], 0);
+        pool.write_block(2, &bytes).unwrap();
+        assert_eq!(pool.draft_kv_prefix(&[2]), 0);
     }
 
     /// Layer 0 slides (window 8, blocks of 4: a token reads at most 3 blocks) in 4 slots; layer

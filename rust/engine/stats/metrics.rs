@@ -314,6 +314,18 @@ pub fn table() -> Vec<MetricSpec> {
             "Drafts accepted in one verification (one per drafting sequence and step)",
             "spec_accepted_per_step",
         ),
+        spec(
+            Counter,
+            "strata:spec_decode_draft_detached",
+            "Sequences whose draft model stopped (drafts stayed rejected, or cached blocks lacked its K/V)",
+            "spec_draft_detached",
+        ),
+        spec(
+            Counter,
+            "strata:spec_decode_draft_model_tokens",
+            "Tokens a draft model fed (its proposals and its catch-up)",
+            "spec_draft_model_tokens",
+        ),
         spec(Counter, "strata:engine_steps", "Engine steps run", "steps"),
         spec(
             Histogram,
