@@ -3,12 +3,14 @@ against plain decoding, same engine build, same model, rounds interleaved; the o
 equal (greedy).
 
     python scripts/speculative_bench.py [--model M.gguf] [--draft D.gguf] [--no-ngram]
-        [--rounds 3] [--history CHARS] [--workloads edit,chat] [--json out.json]
+        [--rounds 3] [--history CHARS] [--workloads edit,chat,batch] [--json out.json]
 
-Two workloads: "edit" asks the model to repeat a ~150-token passage of its prompt with a small
+Three workloads: "edit" asks the model to repeat a ~150-token passage of its prompt with a small
 change (where drafts are accepted most), "chat" asks ordinary questions (where they are not,
-and adaptive draft lengths must keep decode at plain speed). Decode speed is the tokens after
-the first chunk over the time from the first chunk to the last (prefill excluded); ratios are
+and adaptive draft lengths must keep decode at plain speed); "batch" streams all five at once
+(`max_batch` 5), its speed the batch's tokens per second once every stream decodes. Decode
+speed is the tokens after the first chunk over the time from the first chunk to the last
+(prefill excluded); ratios are
 medians of the per-round ratios. Each round loads fresh engines in a rotated order (`--aa`
 adds a second plain engine: how far identical engines read apart). `--history CHARS` puts an
 earlier exchange before every prompt (the source of Python's `json` and `textwrap` modules,
@@ -67,6 +69,11 @@ WORKLOADS: dict[str, list[str]] = {
 }
 
 
+# "batch": every prompt above submitted at once (continuous batching; drafts weighed against the
+# batch's steps).
+BATCH = [*WORKLOADS["edit"], *WORKLOADS["chat"]]
+
+
 def history(chars: int) -> list[dict[str, str]]:
     """An earlier exchange of about `chars` characters of real code (none for 0)."""
     if chars == 0:
@@ -97,8 +104,37 @@ async def decode_rate(
     return (len(ids) - head) / max(last - first, 1e-9), ids
 
 
+async def batch_rate(
+    engine: Engine, prompts: list[str], max_tokens: int, before: list[dict[str, str]]
+) -> tuple[float, list[list[int]]]:
+    """`prompts` streamed at once: the batch's tokens per second from the last stream's first
+    chunk to the end (every stream decoding), and each output's ids."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    firsts: list[float] = []
+    lasts: list[float] = []
+
+    async def one(i: int) -> None:
+        stream = engine.chat(
+            [*before, {"role": "user", "content": prompts[i]}],
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        async for chunk in stream:
+            if not outs[i]:
+                firsts.append(time.perf_counter())
+            outs[i].extend(chunk.token_ids)
+        lasts.append(time.perf_counter())
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return sum(map(len, outs)) / (max(lasts) - max(firsts)), outs
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"host_cache_mib": 0, "disk_cache_mib": 0, "max_batch": 1}
+    workload_names = args.workloads.split(",")
+    max_batch = len(BATCH) if "batch" in workload_names else 1
+    options: dict[str, Any] = {"host_cache_mib": 0, "disk_cache_mib": 0, "max_batch": max_batch}
     k = {"num_speculative_tokens": args.num_speculative_tokens}
     configs: dict[str, dict[str, Any]] = {"plain": {}}
     if args.aa:
@@ -113,7 +149,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # Drafts whatever is proposed: what verifying drafts costs on this machine.
         configs[f"{name}_forced"] = {**k, "speculative": method, "speculative_adaptive": False}
     names = list(configs)
-    workloads = {w: WORKLOADS[w] for w in args.workloads.split(",")}
+    workloads = {w: BATCH if w == "batch" else WORKLOADS[w] for w in workload_names}
     before = history(args.history)
     rates: dict[str, dict[str, list[float]]] = {w: {name: [] for name in names} for w in workloads}
     counted = (
@@ -135,6 +171,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             engine = await Engine.load(args.model, **options, **configs[name])
             try:
                 for workload, prompts in workloads.items():
+                    if workload == "batch":
+                        rate, outs = await batch_rate(engine, prompts, args.max_tokens, before)
+                        rates[workload][name].append(rate)
+                        expected = plain_outs.setdefault(workload, outs)
+                        equal = equal and outs == expected
+                        continue
                     outs = []
                     total_tokens = 0
                     total_time = 0.0
@@ -148,7 +190,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     equal = equal and outs == expected
                 s = engine.stats()
                 for key in totals[name]:
-                    totals[name][key] += s[key]
+                    totals[name][key] += s.get(key, 0)
             finally:
                 await engine.close()
     result: dict[str, Any] = {
@@ -191,7 +233,7 @@ if __name__ == "__main__":
     parser.add_argument("--no-ngram", action="store_true", help="without the n-gram engines")
     parser.add_argument("--aa", action="store_true", help="also a second plain engine")
     parser.add_argument("--history", type=int, default=0, help="characters of earlier code")
-    parser.add_argument("--workloads", default="edit,chat", help="of: edit, chat")
+    parser.add_argument("--workloads", default="edit,chat", help="of: edit, chat, batch")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.model is None:

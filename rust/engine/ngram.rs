@@ -88,12 +88,17 @@ impl StepCosts {
 /// Of `0..=available` drafts for a sequence whose drafts are accepted at `rate` each (a draft
 /// counts only if those before it were accepted), the number with the most expected tokens per
 /// second, when the step would feed `rows` rows without them. A row count not measured yet is
-/// taken to cost what `rows` rows cost (so it is tried, and measured); with nothing measured,
-/// every draft available is tried.
-pub fn best_draft_len(costs: &StepCosts, rows: usize, available: usize, rate: f64) -> usize {
-    let Some(base) = costs.get(rows) else {
-        return available;
-    };
+/// taken to cost what `rows` rows cost (so it is tried, and measured). `None` while `rows`
+/// itself is not measured: the sequence drafts none, so that the step measures it (what drafts
+/// cost is always weighed against a measured step without them; a sequence whose drafts were
+/// always accepted would otherwise never run one, however dear its drafts).
+pub fn best_draft_len(
+    costs: &StepCosts,
+    rows: usize,
+    available: usize,
+    rate: f64,
+) -> Option<usize> {
+    let base = costs.get(rows)?;
     let mut best = (0, 1.0 / base);
     let mut expected = 1.0;
     let mut reach = 1.0;
@@ -106,7 +111,7 @@ pub fn best_draft_len(costs: &StepCosts, rows: usize, available: usize, rate: f6
             best = (k, speed);
         }
     }
-    best.0
+    Some(best.0)
 }
 
 /// How many drafts a sequence tries next: halved when none of a step's drafts were accepted,
@@ -254,33 +259,33 @@ mod tests {
     #[test]
     fn drafts_are_tried_only_where_they_pay_for_their_rows() {
         let mut costs = StepCosts::default();
-        // Nothing measured: try every draft available (and so measure).
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.1), 4);
+        // The step without drafts not measured: none, so that it is.
+        assert_eq!(best_draft_len(&costs, 1, 4, 0.9), None);
         costs.record(1, 0.010);
         // Rows not measured yet cost what one row costs: at any acceptance, try them.
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.5), 4);
+        assert_eq!(best_draft_len(&costs, 1, 4, 0.5), Some(4));
         // Rows nearly free (weights-bound): drafts pay even at a low acceptance rate.
         for rows in 2..=5 {
             costs.record(rows, 0.010 + 0.0005 * (rows - 1) as f64);
         }
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.9), 4);
+        assert_eq!(best_draft_len(&costs, 1, 4, 0.9), Some(4));
         // At 0.3 a third draft adds 0.027 expected tokens for 4.5% more time: two pay best.
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.3), 2);
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.0), 0);
+        assert_eq!(best_draft_len(&costs, 1, 4, 0.3), Some(2));
+        assert_eq!(best_draft_len(&costs, 1, 4, 0.0), Some(0));
         // Every row as dear as the first (arithmetic-bound): no rate below 1 pays.
         let mut dear = StepCosts::default();
         for rows in 1..=5 {
             dear.record(rows, 0.010 * rows as f64);
         }
-        assert_eq!(best_draft_len(&dear, 1, 4, 0.95), 0);
+        assert_eq!(best_draft_len(&dear, 1, 4, 0.95), Some(0));
         // Half as dear: pays once acceptance is high enough (1 + r >= 1.5 for one draft).
         let mut half = StepCosts::default();
         for rows in 1..=5 {
             half.record(rows, 0.010 * (1.0 + 0.5 * (rows - 1) as f64));
         }
-        assert_eq!(best_draft_len(&half, 1, 4, 0.4), 0);
-        assert_eq!(best_draft_len(&half, 1, 4, 0.6), 1);
-        assert_eq!(best_draft_len(&half, 1, 4, 0.95), 4);
+        assert_eq!(best_draft_len(&half, 1, 4, 0.4), Some(0));
+        assert_eq!(best_draft_len(&half, 1, 4, 0.6), Some(1));
+        assert_eq!(best_draft_len(&half, 1, 4, 0.95), Some(4));
         // The average follows new measurements.
         let mut c = StepCosts::default();
         c.record(3, 1.0);

@@ -85,6 +85,13 @@ impl<O> Scheduler<O> {
     pub fn schedule(&mut self, kv: &mut BlockPool, cache: &mut ConversationCache) -> Vec<Chunk> {
         let mut plan: Vec<Chunk> = Vec::new();
         let mut budget = self.max_batch_tokens;
+        let decode_rows = self
+            .running
+            .iter()
+            .filter(|s| s.pending() == 1)
+            .count()
+            .min(budget);
+        let mut drafted = 0;
 
         // Decode rows first, then prefill chunks, each in admission order: a long prompt never
         // holds back the sequences that are already streaming.
@@ -119,8 +126,12 @@ impl<O> Scheduler<O> {
                     break; // `i` was the newest; nothing after it is left
                 }
                 let drafts = if decoding {
-                    let rows = self.max_batch_tokens - budget + len;
-                    self.draft(i, rows, budget - len, kv, cache)
+                    // The step's rows without this sequence's drafts: every decode row, and
+                    // the drafts planned before it.
+                    let rows = decode_rows + drafted;
+                    let n = self.draft(i, rows, budget - len, kv, cache);
+                    drafted += n;
+                    n
                 } else {
                     0
                 };
@@ -311,7 +322,7 @@ impl<O> Scheduler<O> {
     }
 
     /// Proposes drafts for decoding sequence `i` (at most `room` tokens of the step's budget;
-    /// `rows`: the step's rows with its own) as many as pay for their rows, and grows its table
+    /// `rows`: the step's rows without its drafts) as many as pay for their rows, and grows its table
     /// for them; returns how many. Drafts are an optimization: where the blocks for them are not
     /// free, the sequence decodes without (nobody is preempted and no cached block is evicted
     /// for them).
@@ -341,11 +352,13 @@ impl<O> Scheduler<O> {
             propose(&seq.tokens, &options, max, &mut seq.drafts);
         }
         if options.adaptive {
-            let n = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
+            let best = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
+            // Not measured yet: none this step, which measures it.
+            let n = best.unwrap_or(0);
             // Paused, a draft model still costs its catch-up on every token. One whose drafts
             // stay rejected, or whose rate no draft pays at (a rate no draft then updates),
             // stops for the rest of the sequence.
-            let pays = n > 0 || seq.drafts.is_empty();
+            let pays = best != Some(0) || seq.drafts.is_empty();
             if options.model && (drafting.stays_rejected() || !pays) {
                 seq.draft_kv = false;
                 seq.drafts.clear();
@@ -862,6 +875,10 @@ mod tests {
                 adaptive: true,
             });
             q.drafting = Some(super::super::ngram::DraftLength::new(4));
+            // Steps measured as weights-bound (every row count as cheap as one): drafts pay.
+            for rows in 1..=8 {
+                s.step_costs.record(rows, 0.010);
+            }
         }
         s.waiting.push_back(q);
         let (mut records, mut proposed, mut accepted) = (Vec::new(), 0, 0);
