@@ -8,8 +8,8 @@
 //! CPU without wide integer dot products) every row costs about as much as the first, and no
 //! acceptance rate pays for drafts. So each sequence keeps its acceptance rate, the engine keeps
 //! the measured time of decode steps by their number of rows ([`StepCosts`]), and a sequence
-//! drafts the number of tokens that gives the most expected tokens per second of step
-//! ([`best_draft_len`]), none when plain decoding is faster. On top of that, a sequence whose
+//! drafts the number of tokens that gives the step (its batch) the most expected tokens per
+//! second ([`best_draft_len`]), none when plain decoding is faster. On top of that, a sequence whose
 //! drafts are all rejected drafts fewer, and none for a while after a run of rejections.
 
 /// Drafting settings, the same for every sequence of an engine.
@@ -85,33 +85,51 @@ impl StepCosts {
     }
 }
 
+/// A decode step as planned so far, which the next sequence's drafts are weighed against: its
+/// rows, and the tokens it is expected to give (one per decode row, plus the drafts planned so
+/// far that are expected to be accepted).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepSoFar {
+    pub rows: usize,
+    pub tokens: f64,
+}
+
 /// Of `0..=available` drafts for a sequence whose drafts are accepted at `rate` each (a draft
 /// counts only if those before it were accepted), the number with the most expected tokens per
-/// second, when the step would feed `rows` rows without them. A row count not measured yet is
-/// taken to cost what `rows` rows cost (so it is tried, and measured). `None` while `rows`
-/// itself is not measured: the sequence drafts none, so that the step measures it (what drafts
-/// cost is always weighed against a measured step without them; a sequence whose drafts were
-/// always accepted would otherwise never run one, however dear its drafts).
+/// second of the whole step, added to `step`. The step's tokens count, not the sequence's: in a
+/// batch every row a draft adds slows every sequence of the step, so a draft pays only if it
+/// gives the batch more than its rows cost it (alone, the two are the same). A row count not
+/// measured yet is taken to cost what `step.rows` rows cost (so it is tried, and measured).
+/// `None` while `step.rows` itself is not measured: the sequence drafts none, so that the step
+/// measures it (what drafts cost is always weighed against a measured step without them; a
+/// sequence whose drafts were always accepted would otherwise never run one, however dear its
+/// drafts).
 pub fn best_draft_len(
     costs: &StepCosts,
-    rows: usize,
+    step: StepSoFar,
     available: usize,
     rate: f64,
 ) -> Option<usize> {
-    let base = costs.get(rows)?;
-    let mut best = (0, 1.0 / base);
-    let mut expected = 1.0;
+    let base = costs.get(step.rows)?;
+    let mut best = (0, step.tokens / base);
+    let mut expected = step.tokens;
     let mut reach = 1.0;
     for k in 1..=available {
         reach *= rate;
         expected += reach;
-        let cost = costs.get(rows + k).unwrap_or(base);
+        let cost = costs.get(step.rows + k).unwrap_or(base);
         let speed = expected / cost;
         if speed > best.1 {
             best = (k, speed);
         }
     }
     Some(best.0)
+}
+
+/// Drafts expected to be accepted of `n` accepted at `rate` each (a draft counts only if those
+/// before it were accepted).
+pub fn expected_accepted(n: usize, rate: f64) -> f64 {
+    (1..=n).map(|m| rate.powi(m as i32)).sum()
 }
 
 /// How many drafts a sequence tries next: halved when none of a step's drafts were accepted,
@@ -256,36 +274,58 @@ mod tests {
         assert_eq!(drafts(&[1, 2, 1, 2, 1, 2], 4), vec![1, 2]);
     }
 
+    const ALONE: StepSoFar = StepSoFar {
+        rows: 1,
+        tokens: 1.0,
+    };
+
     #[test]
     fn drafts_are_tried_only_where_they_pay_for_their_rows() {
         let mut costs = StepCosts::default();
         // The step without drafts not measured: none, so that it is.
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.9), None);
+        assert_eq!(best_draft_len(&costs, ALONE, 4, 0.9), None);
         costs.record(1, 0.010);
         // Rows not measured yet cost what one row costs: at any acceptance, try them.
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.5), Some(4));
+        assert_eq!(best_draft_len(&costs, ALONE, 4, 0.5), Some(4));
         // Rows nearly free (weights-bound): drafts pay even at a low acceptance rate.
         for rows in 2..=5 {
             costs.record(rows, 0.010 + 0.0005 * (rows - 1) as f64);
         }
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.9), Some(4));
+        assert_eq!(best_draft_len(&costs, ALONE, 4, 0.9), Some(4));
         // At 0.3 a third draft adds 0.027 expected tokens for 4.5% more time: two pay best.
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.3), Some(2));
-        assert_eq!(best_draft_len(&costs, 1, 4, 0.0), Some(0));
+        assert_eq!(best_draft_len(&costs, ALONE, 4, 0.3), Some(2));
+        assert_eq!(best_draft_len(&costs, ALONE, 4, 0.0), Some(0));
         // Every row as dear as the first (arithmetic-bound): no rate below 1 pays.
         let mut dear = StepCosts::default();
         for rows in 1..=5 {
             dear.record(rows, 0.010 * rows as f64);
         }
-        assert_eq!(best_draft_len(&dear, 1, 4, 0.95), Some(0));
+        assert_eq!(best_draft_len(&dear, ALONE, 4, 0.95), Some(0));
         // Half as dear: pays once acceptance is high enough (1 + r >= 1.5 for one draft).
         let mut half = StepCosts::default();
         for rows in 1..=5 {
             half.record(rows, 0.010 * (1.0 + 0.5 * (rows - 1) as f64));
         }
-        assert_eq!(best_draft_len(&half, 1, 4, 0.4), Some(0));
-        assert_eq!(best_draft_len(&half, 1, 4, 0.6), Some(1));
-        assert_eq!(best_draft_len(&half, 1, 4, 0.95), Some(4));
+        assert_eq!(best_draft_len(&half, ALONE, 4, 0.4), Some(0));
+        assert_eq!(best_draft_len(&half, ALONE, 4, 0.6), Some(1));
+        assert_eq!(best_draft_len(&half, ALONE, 4, 0.95), Some(4));
+        // In a batch of 5 decode rows (5 tokens), one draft at 0.6 adds 0.6 tokens to the 5
+        // for 50% more time: it pays for the sequence alone, not for the batch.
+        for rows in 6..=9 {
+            half.record(rows, 0.010 * (1.0 + 0.5 * (rows - 1) as f64));
+        }
+        let batch = StepSoFar {
+            rows: 5,
+            tokens: 5.0,
+        };
+        assert_eq!(best_draft_len(&half, batch, 4, 0.6), Some(0));
+        // Nearly free rows pay in a batch too, at a high enough rate.
+        let mut cheap = StepCosts::default();
+        for rows in 5..=9 {
+            cheap.record(rows, 0.010 + 0.0002 * (rows - 5) as f64);
+        }
+        assert_eq!(best_draft_len(&cheap, batch, 4, 0.9), Some(4));
+        assert!((expected_accepted(3, 0.5) - 0.875).abs() < 1e-12);
         // The average follows new measurements.
         let mut c = StepCosts::default();
         c.record(3, 1.0);

@@ -9,7 +9,9 @@
 
 use std::collections::VecDeque;
 
-use super::ngram::{best_draft_len, propose, DraftOptions, StepCosts};
+use super::ngram::{
+    best_draft_len, expected_accepted, propose, DraftOptions, StepCosts, StepSoFar,
+};
 use super::sequence::{Output, Sequence};
 use crate::cache::ConversationCache;
 use crate::kv::blocks::BlockPool;
@@ -91,7 +93,11 @@ impl<O> Scheduler<O> {
             .filter(|s| s.pending() == 1)
             .count()
             .min(budget);
-        let mut drafted = 0;
+        // The step without the drafts not yet planned (`best_draft_len`).
+        let mut step = StepSoFar {
+            rows: decode_rows,
+            tokens: decode_rows as f64,
+        };
 
         // Decode rows first, then prefill chunks, each in admission order: a long prompt never
         // holds back the sequences that are already streaming.
@@ -126,11 +132,9 @@ impl<O> Scheduler<O> {
                     break; // `i` was the newest; nothing after it is left
                 }
                 let drafts = if decoding {
-                    // The step's rows without this sequence's drafts: every decode row, and
-                    // the drafts planned before it.
-                    let rows = decode_rows + drafted;
-                    let n = self.draft(i, rows, budget - len, kv, cache);
-                    drafted += n;
+                    let (n, accepted) = self.draft(i, step, budget - len, kv, cache);
+                    step.rows += n;
+                    step.tokens += accepted;
                     n
                 } else {
                     0
@@ -322,25 +326,25 @@ impl<O> Scheduler<O> {
     }
 
     /// Proposes drafts for decoding sequence `i` (at most `room` tokens of the step's budget;
-    /// `rows`: the step's rows without its drafts) as many as pay for their rows, and grows its table
-    /// for them; returns how many. Drafts are an optimization: where the blocks for them are not
-    /// free, the sequence decodes without (nobody is preempted and no cached block is evicted
-    /// for them).
+    /// `step`: the step as planned without its drafts) as many as pay for their rows, and grows
+    /// its table for them; returns how many, and how many of them are expected to be accepted.
+    /// Drafts are an optimization: where the blocks for them are not free, the sequence decodes
+    /// without (nobody is preempted and no cached block is evicted for them).
     fn draft(
         &mut self,
         i: usize,
-        rows: usize,
+        step: StepSoFar,
         room: usize,
         kv: &mut BlockPool,
         cache: &mut ConversationCache,
-    ) -> usize {
+    ) -> (usize, f64) {
         let seq = &mut self.running[i];
         seq.drafts.clear();
         let (Some(options), Some(drafting)) = (self.speculative, seq.drafting.as_mut()) else {
-            return 0;
+            return (0, 0.0);
         };
         if options.model && !seq.draft_kv {
-            return 0;
+            return (0, 0.0);
         }
         // Every draft accepted, plus the token after them, must fit the sequence's length.
         let fits = seq.max_len.saturating_sub(seq.tokens.len() + 1);
@@ -352,24 +356,29 @@ impl<O> Scheduler<O> {
             propose(&seq.tokens, &options, max, &mut seq.drafts);
         }
         if options.adaptive {
-            let best = best_draft_len(&self.step_costs, rows, seq.drafts.len(), drafting.rate());
-            // Not measured yet: none this step, which measures it.
-            let n = best.unwrap_or(0);
+            let (available, rate) = (seq.drafts.len(), drafting.rate());
+            let best = best_draft_len(&self.step_costs, step, available, rate);
             // Paused, a draft model still costs its catch-up on every token. One whose drafts
-            // stay rejected, or whose rate no draft pays at (a rate no draft then updates),
-            // stops for the rest of the sequence.
-            let pays = best != Some(0) || seq.drafts.is_empty();
+            // stay rejected, or whose rate no draft pays at even counting only its own tokens
+            // (a rate no draft then updates), stops for the rest of the sequence.
+            let alone = StepSoFar {
+                rows: step.rows,
+                tokens: 1.0,
+            };
+            let pays = available == 0
+                || best_draft_len(&self.step_costs, alone, available, rate) != Some(0);
             if options.model && (drafting.stays_rejected() || !pays) {
                 seq.draft_kv = false;
                 seq.drafts.clear();
                 self.counters.draft_detached += 1;
-                return 0;
+                return (0, 0.0);
             }
-            seq.drafts.truncate(n);
+            // Not measured yet: none this step, which measures it.
+            seq.drafts.truncate(best.unwrap_or(0));
         }
         let n = seq.drafts.len();
         if n == 0 {
-            return 0;
+            return (0, 0.0);
         }
         let target = seq.computed + 1 + n;
         let need = target
@@ -377,13 +386,14 @@ impl<O> Scheduler<O> {
             .saturating_sub(seq.table.len());
         if need > kv.num_empty() || !self.grow(i, target, kv, cache) {
             self.running[i].drafts.clear();
-            return 0;
+            return (0, 0.0);
         }
         let seq = &mut self.running[i];
         seq.fed.clear();
         seq.fed.extend_from_slice(&seq.tokens[seq.computed..]);
         seq.fed.extend_from_slice(&seq.drafts);
-        n
+        let rate = seq.drafting.as_ref().map_or(0.0, |d| d.rate());
+        (n, expected_accepted(n, rate))
     }
 
     /// Sends running sequence `i` back to the front of the queue without its blocks.
