@@ -240,12 +240,14 @@ async def test_a_seed_gives_one_stream_with_a_draft_model(model_dir: MakeModel) 
     model = model_dir("qwen3")
     draft = model_dir("qwen3", num_hidden_layers=1)
     params = {"max_tokens": 48, "temperature": 0.8, "seed": 7, "ignore_eos": True}
+    plain, _ = await outputs(model, [PROMPT], [params])
     runs = []
     for _ in range(2):
         out, stats = await outputs(model, [PROMPT], [params], **drafting(draft))
         runs.append(out[0].token_ids)
         assert stats["spec_draft_tokens"] > 0
-    assert runs[0] == runs[1]
+    # The stream of plain decoding (`test_a_seed_gives_one_stream_with_drafts_or_without`).
+    assert runs[0] == runs[1] == plain[0].token_ids
 
 
 async def test_info_shows_the_draft_model(model_dir: MakeModel) -> None:

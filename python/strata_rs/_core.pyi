@@ -560,8 +560,9 @@ class Engine:
         speculative (keyword-only): "ngram" decodes with drafts proposed by prompt lookup (the
         longest suffix of the sequence, ngram_max down to ngram_min tokens, that occurred
         earlier in it proposes the up to num_speculative_tokens (1-16) tokens that followed),
-        checked in one forward: greedy outputs are those of decoding without drafts, sampled
-        ones follow the same distribution (speculative sampling's rule). A sequence drafts as
+        checked in one forward: outputs are those of decoding without drafts, greedy and
+        sampled alike (each step draws once; a draft is accepted when it is the token drawn,
+        speculative sampling's rule for a draft proposed with certainty). A sequence drafts as
         many tokens as its acceptance rate and the measured time of steps with that many more
         rows say pay (none where each row costs as much as a step: plain decoding is then
         faster), fewer after rejections, none for a while after a run of them;
@@ -569,9 +570,12 @@ class Engine:
         measurements). A path instead of "ngram" names a draft model (a GGUF file or a model
         folder, with the target's tokenizer token for token; `quantize` and `bf16_dot` apply to
         it as to the target): it proposes its greedy picks, its K/V kept in the target's blocks
-        (prefix cache, tiers and restarts serve both), and it runs over every token the target
-        computes (CPU, one device). A request's `speculative=False` opts out of drafting.
-        info["speculative"] shows the settings; stats() counts drafts and acceptances.
+        (prefix cache, tiers and restarts serve both), and it runs over every token of the
+        sequences that draft; one whose drafts stay rejected detaches (the draft runs no more
+        for it, nor for its conversation's later turns) (CPU, one device). A request's
+        `speculative=False` opts out of drafting and feeds a draft model nothing.
+        info["speculative"] shows the settings; stats() counts drafts, acceptances, detached
+        sequences and the draft model's tokens.
 
         device: "cpu", "cuda:N", or a list that splits the layers across devices ("cpu:0,1",
         "cuda:0,1"): each device holds a consecutive layer range, its weights and the K/V of its

@@ -9,8 +9,10 @@
 //! acceptance rate pays for drafts. So each sequence keeps its acceptance rate, the engine keeps
 //! the measured time of decode steps by their number of rows ([`StepCosts`]), and a sequence
 //! drafts the number of tokens that gives the step (its batch) the most expected tokens per
-//! second ([`best_draft_len`]), none when plain decoding is faster. On top of that, a sequence whose
-//! drafts are all rejected drafts fewer, and none for a while after a run of rejections.
+//! second ([`best_draft_len`]), none when plain decoding is faster. On top of that, a sequence
+//! whose drafts are all rejected drafts fewer, and none for a while after a run of rejections;
+//! with a draft model, one whose drafts stay rejected stops for good
+//! ([`DraftLength::stays_rejected`]).
 
 /// Drafting settings, the same for every sequence of an engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

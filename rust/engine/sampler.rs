@@ -151,12 +151,13 @@ impl Sampler {
     }
 
     /// `sample_with` at a position where `draft` was proposed: true with the draft when it is
-    /// accepted. Greedy: accepted when it is the argmax, so the output is the one decoding without
-    /// drafts gives. Sampling: speculative sampling's rule for a draft proposed with certainty
-    /// (n-gram lookup): accepted with its probability p(draft) under the request's distribution,
-    /// else a token drawn from that distribution without the draft. Either way the token
-    /// returned is distributed as `sample_with`'s (two draws where a draft is rejected, so the
-    /// stream of a seed differs from decoding without drafts, and is reproducible).
+    /// accepted. The token is the one `sample_with` picks (one draw, drafted or not), and the
+    /// draft is accepted when it is that token. Greedy: when it is the argmax. Sampling: that
+    /// is speculative sampling's rule for a draft proposed with certainty (an n-gram lookup, a
+    /// draft model's greedy pick): accepted with its probability p(draft) under the request's
+    /// distribution, and when rejected the token is drawn from that distribution without the
+    /// draft (the residual). Drawn this way, a seed's stream is the one decoding without drafts
+    /// gives, however many drafts were proposed where.
     pub fn sample_or_accept(
         &mut self,
         logits: &mut [f32],
@@ -183,20 +184,8 @@ impl Sampler {
             // Drawn before anything can return early: exactly one draw per non-greedy step.
             let u = self.rng.next_f64();
             let kept = self.prepare(logits);
-            match draft {
-                None => (self.pick(logits, kept, u), false),
-                Some(d) => {
-                    let (weight, total) = self.kept_weight(logits, kept, d);
-                    if total > 0.0 && u * total < weight {
-                        (d, true)
-                    } else {
-                        // The residual distribution: the target's without the draft.
-                        let kept = self.drop_kept(logits, kept, d, weight, total);
-                        let u = self.rng.next_f64();
-                        (self.pick(logits, kept, u), false)
-                    }
-                }
-            }
+            let token = self.pick(logits, kept, u);
+            (token, draft == Some(token))
         };
         let (logprob, top_logprobs) = match self.logprobs {
             Some(n) => {
@@ -218,65 +207,6 @@ impl Sampler {
             top_logprobs,
         };
         (sampled, accepted)
-    }
-
-    /// The weight `prepare` left on `token`, and the total of every kept weight.
-    fn kept_weight(&self, weights: &[f32], kept: Kept, token: u32) -> (f64, f64) {
-        let listed = |list: &[Cand]| {
-            let total: f64 = list.iter().map(|c| f64::from(c.val)).sum();
-            let weight = list
-                .iter()
-                .find(|c| c.id == token)
-                .map_or(0.0, |c| f64::from(c.val));
-            (weight, total)
-        };
-        match kept {
-            Kept::Nothing => (0.0, 0.0),
-            Kept::Dense(total) => (
-                weights.get(token as usize).map_or(0.0, |&w| f64::from(w)),
-                total,
-            ),
-            Kept::List(len) => listed(&self.cands[..len]),
-            Kept::Pool => listed(&self.pool),
-        }
-    }
-
-    /// The kept weights with `token`'s set to zero (a rejected draft: never picked).
-    fn drop_kept(
-        &mut self,
-        weights: &mut [f32],
-        kept: Kept,
-        token: u32,
-        weight: f64,
-        total: f64,
-    ) -> Kept {
-        let zero = |list: &mut [Cand]| {
-            for c in list.iter_mut().filter(|c| c.id == token) {
-                c.val = 0.0;
-            }
-        };
-        match kept {
-            Kept::Nothing => Kept::Nothing,
-            Kept::Dense(_) => {
-                if let Some(w) = weights.get_mut(token as usize) {
-                    *w = 0.0;
-                }
-                // Every weight was the draft's: nothing is left to pick (rounding only, since
-                // then the draft is accepted with certainty).
-                if total - weight <= 0.0 {
-                    return Kept::Nothing;
-                }
-                Kept::Dense(total - weight)
-            }
-            Kept::List(len) => {
-                zero(&mut self.cands[..len]);
-                kept
-            }
-            Kept::Pool => {
-                zero(&mut self.pool);
-                kept
-            }
-        }
     }
 
     fn mark_seen(&mut self, token: u32) {
@@ -1568,6 +1498,27 @@ mod tests {
             let chi2 = chi_square(&kept, &probs, draws);
             let critical = [10.83, 13.82, 16.27, 18.47][dist.len() - 2];
             assert!(chi2 < critical, "top-k {k} top-p {p}: chi-square {chi2}");
+        }
+    }
+
+    #[test]
+    fn a_seeds_stream_is_the_same_with_drafts_or_without() {
+        // Two samplers of one seed, one checking a draft at every step (right or wrong, by a
+        // rule of its own): every token equal, each draft accepted exactly when it is the token.
+        let logits = [0.0f32, 1.0, 2.0, -1.0, 0.5, 1.5, -2.0, 0.25];
+        for (t, k, p, m) in [(1.0, 0, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.3, 0, 0.8, 0.05)] {
+            let mut plain = Sampler::new(&params(t, k, p, m), 41, &[], logits.len());
+            let mut drafted = Sampler::new(&params(t, k, p, m), 41, &[], logits.len());
+            let mut accepted = 0;
+            for step in 0..2_000u32 {
+                let want = plain.sample(&mut logits.to_vec()).token;
+                let draft = if step % 3 == 0 { want } else { step % 8 };
+                let (got, ok) = drafted.sample_or_accept(&mut logits.to_vec(), Some(draft), |_| {});
+                assert_eq!(got.token, want, "step {step}");
+                assert_eq!(ok, draft == want);
+                accepted += usize::from(ok);
+            }
+            assert!(accepted > 2_000 / 3, "{accepted}");
         }
     }
 

@@ -786,9 +786,9 @@ impl BlockPool {
     /// Copies one block's K/V out: for each layer, its K rows then its V rows, in the pool's
     /// dtype. `out` is `bytes_per_block()` long. The parts of the devices follow each other in
     /// layer order, so the layout is the same whatever the split; a draft model's part follows,
-    /// then a byte that says whether the block holds it (1: it does). With window slots, a block without one has zeros for the sliding layers, and the last
-    /// byte says which (1: there). Host blocks always copy; a device's copy can fail (the
-    /// caller skips that move).
+    /// then a byte that says whether the block holds it (1: it does). With window slots, a
+    /// block without one has zeros for the sliding layers, and the last byte says which (1:
+    /// there). Host blocks always copy; a device's copy can fail (the caller skips that move).
     pub fn read_block(&self, block: u32, out: &mut [u8]) -> std::result::Result<(), String> {
         let mut at = 0;
         for stage in 0..self.stages.len() {

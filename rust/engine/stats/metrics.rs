@@ -317,7 +317,7 @@ pub fn table() -> Vec<MetricSpec> {
         spec(
             Counter,
             "strata:spec_decode_draft_detached",
-            "Sequences whose draft model stopped (drafts stayed rejected, or cached blocks lacked its K/V)",
+            "Sequences whose draft model stopped (drafts stayed rejected, or cached K/V lacked it)",
             "spec_draft_detached",
         ),
         spec(
