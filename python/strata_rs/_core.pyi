@@ -571,8 +571,9 @@ class Engine:
         folder, with the target's tokenizer token for token; `quantize` and `bf16_dot` apply to
         it as to the target): it proposes its greedy picks, its K/V kept in the target's blocks
         (prefix cache, tiers and restarts serve both), and it runs over every token of the
-        sequences that draft; one whose drafts stay rejected detaches (the draft runs no more
-        for it, nor for its conversation's later turns) (CPU, one device). A request's
+        sequences that draft; with the adaptive policy one whose drafts stay rejected
+        detaches (the draft runs no more for it, nor for its conversation's later turns)
+        (CPU, one device). A request's
         `speculative=False` opts out of drafting and feeds a draft model nothing.
         info["speculative"] shows the settings; stats() counts drafts, acceptances, detached
         sequences and the draft model's tokens.
