@@ -254,45 +254,45 @@ async def test_bad_settings_are_refused(
     assert str(e.value) == message
 
 
-async def test_the_real_model_drafts_to_its_plain_answer(smollm2: Path) -> None:
-    """SmolLM2 asked to repeat code from its prompt (where drafts are accepted): the same
-    answer with drafts forced, with the adaptive default, and without."""
-    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
-    messages = [{"role": "user", "content": f"Copy this code exactly:\n\n{code}"}]
-    params = {"max_tokens": 64, "temperature": 0}
+COPY_CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+COPY_MESSAGES = [{"role": "user", "content": f"Copy this code exactly:\n\n{COPY_CODE}"}]
+
+
+async def copy_answers(
+    model: Path, params: dict[str, Any], configs: list[dict[str, Any]]
+) -> list[tuple[Any, dict[str, Any]]]:
+    """SmolLM2 asked to copy code from its prompt (where drafts are accepted), once per engine
+    configuration: each answer with its engine's stats."""
     answers = []
-    for options in ({}, NGRAM, {"speculative": "ngram"}):
-        engine = await load(smollm2, **options)
+    for options in configs:
+        engine = await load(model, **options)
         try:
-            answers.append(await engine.chat_complete(messages, **params))
-            stats = engine.stats()
+            answers.append((await engine.chat_complete(COPY_MESSAGES, **params), engine.stats()))
         finally:
             await engine.close()
-        if options is NGRAM:
-            assert stats["spec_accepted_tokens"] > 0
-    assert answers[0].token_ids == answers[1].token_ids == answers[2].token_ids
-    assert "return a + b" in answers[0].text
+    return answers
+
+
+async def test_the_real_model_drafts_to_its_plain_answer(smollm2: Path) -> None:
+    """The same greedy answer with drafts forced, with the adaptive default, and without."""
+    params = {"max_tokens": 64, "temperature": 0}
+    configs = [{}, NGRAM, {"speculative": "ngram"}]
+    (plain, _), (forced, stats), (adaptive, _) = await copy_answers(smollm2, params, configs)
+    assert stats["spec_accepted_tokens"] > 0
+    assert plain.token_ids == forced.token_ids == adaptive.token_ids
+    assert "return a + b" in plain.text
 
 
 async def test_the_real_model_samples_its_plain_stream_with_drafts(smollm2: Path) -> None:
-    """SmolLM2 sampling (temperature 0.8, one seed) while copying code: n-gram drafts and the
-    target as its own draft (its greedy picks) are accepted where the draw is the draft and
-    rejected elsewhere, and the answer is token for token the one without drafts."""
-    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
-    messages = [{"role": "user", "content": f"Copy this code exactly:\n\n{code}"}]
+    """Sampling (temperature 0.8, one seed): n-gram drafts and the target as its own draft (its
+    greedy picks) are accepted where the draw is the draft and rejected elsewhere, and the
+    answer is token for token the one without drafts."""
     params = {"max_tokens": 64, "temperature": 0.8, "seed": 5}
-    answers = []
-    own = {**NGRAM, "speculative": str(smollm2)}
-    for options in ({}, NGRAM, own):
-        engine = await load(smollm2, **options)
-        try:
-            answers.append(await engine.chat_complete(messages, **params))
-            stats = engine.stats()
-        finally:
-            await engine.close()
-        if options:
-            assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], options
-    assert answers[0].token_ids == answers[1].token_ids == answers[2].token_ids
+    configs = [{}, NGRAM, {**NGRAM, "speculative": str(smollm2)}]
+    (plain, _), *drafted = await copy_answers(smollm2, params, configs)
+    for answer, stats in drafted:
+        assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+        assert answer.token_ids == plain.token_ids
 
 
 async def test_the_server_counts_drafts_and_takes_the_per_request_switch(

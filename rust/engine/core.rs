@@ -288,8 +288,7 @@ impl EngineCore {
                     }
                 })
                 .collect();
-            self.local.spec_draft_model_tokens +=
-                batch.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
+            self.local.spec_draft_model_tokens += fed_tokens(&batch);
             let out = &mut self.draft_logits[..fed.len() * draft_vocab];
             self.runner.draft_step(&batch, out)?;
             for (row, &i) in fed.iter().enumerate() {
@@ -343,8 +342,7 @@ impl EngineCore {
                 }
             })
             .collect();
-        self.local.spec_draft_model_tokens +=
-            batch.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
+        self.local.spec_draft_model_tokens += fed_tokens(&batch);
         self.runner.draft_step(&batch, &mut [])?;
         for &i in &behind {
             let seq = &mut self.scheduler.running[i];
@@ -793,4 +791,9 @@ fn grammar_failed(seq: &mut Sequence, e: StrataError, outbox: &mut Vec<Addressed
     let why = StrataError::invalid("structured_outputs", e.to_string());
     outbox.push((seq.out.events.clone(), Event::Error(why)));
     seq.out.cancel.cancel();
+}
+
+/// Tokens a draft-model forward over `batch` feeds (`stats.spec_draft_model_tokens`).
+fn fed_tokens(batch: &[SeqChunk]) -> u64 {
+    batch.iter().map(|c| c.tokens.len() as u64).sum()
 }
