@@ -1,10 +1,10 @@
-//! One row's tiles read in place, without widening a copy first (the decode path): the
-//! `InPlace` kernels of [`super::row_avx512`] and [`super::row_avx2`], and the row walk that
-//! drives them.
+//! Rows' tiles read in place, without widening a copy first (decode rows, and row blocks with
+//! too few query lanes for the lanes path): the `InPlace` kernels of [`super::row_avx512`] and
+//! [`super::row_avx2`], and the tile walk that drives them.
 
 use super::*;
 
-/// A kernel that computes one tile for one row read in place: [`row_avx512`] or [`row_avx2`].
+/// A kernel that computes one tile for one row's heads read in place: [`row_avx512`] or [`row_avx2`].
 pub(super) trait InPlace {
     /// [`row_avx512::tile_step_in_place`]'s contract, for this kernel's ISA.
     #[allow(clippy::too_many_arguments)]
@@ -54,62 +54,70 @@ impl InPlace for InPlaceAvx2 {
     }
 }
 
-/// [`row_in_place`] on AVX-512.
+/// [`rows_in_place`] on AVX-512.
 ///
 /// # Safety
-/// As [`row_in_place`]; AVX-512F/BW/VL, F16C and FMA.
+/// As [`rows_in_place`]; AVX-512F/BW/VL, F16C and FMA.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-pub(super) unsafe fn row_in_place_avx512<S: KvSource>(
+pub(super) unsafe fn rows_in_place_avx512<S: KvSource>(
     c: &Ctx<S>,
-    t: usize,
-    part: (usize, usize),
+    first: usize,
+    parts: &[(usize, usize)],
     g: usize,
-    acc: &mut [f32],
-    st: &mut State,
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
 ) {
-    row_in_place::<S, InPlaceAvx512>(c, t, part, g, acc, st)
+    rows_in_place::<S, InPlaceAvx512>(c, first, parts, g, accs, states)
 }
 
-/// [`row_in_place`] on AVX2.
+/// [`rows_in_place`] on AVX2.
 ///
 /// # Safety
-/// As [`row_in_place`]; AVX2, F16C and FMA; `hd` is a multiple of 8.
+/// As [`rows_in_place`]; AVX2, F16C and FMA; `hd` is a multiple of 8.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn row_in_place_avx2<S: KvSource>(
+pub(super) unsafe fn rows_in_place_avx2<S: KvSource>(
     c: &Ctx<S>,
-    t: usize,
-    part: (usize, usize),
+    first: usize,
+    parts: &[(usize, usize)],
     g: usize,
-    acc: &mut [f32],
-    st: &mut State,
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
 ) {
-    row_in_place::<S, InPlaceAvx2>(c, t, part, g, acc, st)
+    rows_in_place::<S, InPlaceAvx2>(c, first, parts, g, accs, states)
 }
 
-/// Keys `part` (inside one segment) of row `t`, K/V head `g`, tile by tile, read in place by
-/// `P`'s kernel: what [`segment_pass`] computes for one row from widened tiles, to the bit.
-/// The tile [`PREFETCH_TILES`] ahead (up to the row's last key, into its next segment) is
-/// prefetched into L2.
+/// Keys `parts[i]` (inside one segment) of rows `first + i` of one sequence, K/V head `g`, tile
+/// by tile, read in place by `P`'s kernel: what [`segment_pass`] computes for those rows from
+/// widened tiles, to the bit. Each tile is read from memory once: the rows after the first
+/// find it in L1. The tile [`PREFETCH_TILES`] ahead (up to the rows' last key, into their next
+/// segment) is prefetched into L2.
 ///
 /// # Safety
-/// `bs % LANES == 0`; the part's keys are visible to the row; `acc` holds `group * hd` floats;
-/// inlined into a function with `P`'s features.
+/// `bs % LANES == 0`; each part's keys are visible to its row; `accs[i]` holds `group * hd`
+/// floats for every row whose part is not empty; inlined into a function with `P`'s features.
 #[inline(always)]
-pub(super) unsafe fn row_in_place<S: KvSource, P: InPlace>(
+pub(super) unsafe fn rows_in_place<S: KvSource, P: InPlace>(
     c: &Ctx<S>,
-    t: usize,
-    part: (usize, usize),
+    first: usize,
+    parts: &[(usize, usize)],
     g: usize,
-    acc: &mut [f32],
-    st: &mut State,
+    accs: &mut [&mut [f32]],
+    states: &mut [State],
 ) {
     use tile_at::TileLocation;
     let (hd, group, bs, kvh) = (c.hd, c.group, c.bs, c.kvh);
     let geo = Geom { bs, kvh, hd };
-    let table = c.table(t);
-    let q = c.q_group(t, g);
-    let (lo, hi) = part;
-    let last = visible(&c.rows[t], c.window).1;
+    // The rows of a block share their sequence's table.
+    let table = c.table(first);
+    let mut lo = usize::MAX;
+    let mut hi = 0;
+    for &(a, b) in parts.iter().filter(|p| p.0 <= p.1) {
+        (lo, hi) = (lo.min(a), hi.max(b));
+    }
+    let last = (first..first + parts.len())
+        .map(|t| visible(&c.rows[t], c.window).1)
+        .max()
+        .unwrap_or(0);
     let mut t0 = lo / LANES * LANES;
     while t0 <= hi {
         let ahead = t0 + PREFETCH_TILES * LANES;
@@ -118,15 +126,23 @@ pub(super) unsafe fn row_in_place<S: KvSource, P: InPlace>(
                 .prefetch(hd);
         }
         let tile = c.kv.tile_at(geo, table[t0 / bs] as usize, t0 % bs, g);
-        let lanes = (lo.max(t0) - t0, hi.min(t0 + LANES - 1) - t0);
-        let mut h = 0;
-        while h < group {
-            h += match group - h {
-                1 => P::step::<S::Tile, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
-                2 => P::step::<S::Tile, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
-                3 => P::step::<S::Tile, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
-                _ => P::step::<S::Tile, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
-            };
+        for (i, &(a, b)) in parts.iter().enumerate() {
+            let (a, b) = (a.max(t0), b.min(t0 + LANES - 1));
+            if a > b {
+                continue;
+            }
+            let lanes = (a - t0, b - t0);
+            let q = c.q_group(first + i, g);
+            let (acc, st) = (&mut *accs[i], &mut states[i]);
+            let mut h = 0;
+            while h < group {
+                h += match group - h {
+                    1 => P::step::<S::Tile, 1>(q, h, hd, tile, lanes, c.scale, acc, st),
+                    2 => P::step::<S::Tile, 2>(q, h, hd, tile, lanes, c.scale, acc, st),
+                    3 => P::step::<S::Tile, 3>(q, h, hd, tile, lanes, c.scale, acc, st),
+                    _ => P::step::<S::Tile, 4>(q, h, hd, tile, lanes, c.scale, acc, st),
+                };
+            }
         }
         t0 += LANES;
     }

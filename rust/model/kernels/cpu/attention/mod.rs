@@ -15,9 +15,11 @@
 //! stored format widens to f32 exactly (f16 and bf16 are subsets of f32; a q8_0 value is an int8
 //! times an f16 scale, 19 significant bits), so the format changes the values a tile holds,
 //! never the arithmetic on them: q8_0 K/V gives the bits its dequantized f32 copy gives. On
-//! AVX-512 a block of rows computes the tile for 16 (row, query head) lanes at a time with the
-//! lanes in the vector lanes ([`lanes_step_avx512`]), so the online softmax is vertical too;
-//! each lane's arithmetic is the row-by-row path's, operation for operation.
+//! AVX-512 a full block of rows computes the tile for 16 (row, query head) lanes at a time with
+//! the lanes in the vector lanes ([`lanes_step_avx512`]), so the online softmax is vertical too;
+//! each lane's arithmetic is the row-by-row path's, operation for operation. On AVX-512 and
+//! AVX2, a decode row and the rows of a shorter block (a verification of drafts) read each
+//! tile in place instead, converting as they compute ([`rows_in_place`], [`reads_in_place`]).
 //!
 //! **Batch invariance.** A row's visible keys are cut into fixed segments by absolute key
 //! position (`SEGMENT` keys, aligned to multiples of `SEGMENT`), each segment's softmax state is
@@ -990,10 +992,28 @@ fn run_task<W: Widen, S: KvSource>(c: &Ctx<S>, task: Task) {
     }
 }
 
+/// Whether a row block of `n` rows reads its tiles in place ([`rows_in_place`]) rather than
+/// widening each tile once for all its rows: where the ISA has an in-place kernel for the
+/// geometry, for every block shorter than a full one ([`Ctx::row_block_limit`]). The lanes
+/// path computes whole vectors of (row, query head) lanes whatever the block fills of them, so
+/// a verification of a few drafts over a long history paid for 16 lanes to use 6; in place,
+/// each lane costs its own arithmetic, and the tile, read from memory for the first row, is in
+/// L1 for the others. Full blocks (prefill chunks) keep the lanes path, which was a few percent
+/// faster there (docs/benchmarks.md). A lane's arithmetic is [`tile_step`]'s on both, so the
+/// choice changes speed, not bits.
+#[inline(always)]
+fn reads_in_place<W: Widen, S>(c: &Ctx<S>, n: usize) -> bool {
+    let ql = W::QUERY_LANES;
+    ql > 0
+        && c.bs.is_multiple_of(LANES)
+        && (ql == LANES || c.hd.is_multiple_of(8))
+        && (n == 1 || n < c.row_block_limit())
+}
+
 /// Rows `first..first + n`'s queries of K/V head `g` transposed for the lanes path (lane =
 /// `i * group + h`, `QL` = `W::QUERY_LANES` lanes per vector: `qt[(v * hd + d) * QL + lane %
-/// QL]`, `v = lane / QL`, unused lanes zero), in `buf`; `None` for one row, or where the ISA
-/// has no lanes path.
+/// QL]`, `v = lane / QL`, unused lanes zero), in `buf`; `None` for one row, where the ISA
+/// has no lanes path, or where the rows read their tiles in place ([`reads_in_place`]).
 #[inline(always)]
 fn transposed_queries<'b, W: Widen, S>(
     c: &Ctx<S>,
@@ -1003,7 +1023,7 @@ fn transposed_queries<'b, W: Widen, S>(
     buf: &'b mut [MaybeUninit<f32>; LANE_BLOCK * MAX_HEAD_DIM],
 ) -> Option<&'b [f32]> {
     let (hd, group, ql) = (c.hd, c.group, W::QUERY_LANES);
-    if ql == 0 || n < 2 {
+    if ql == 0 || n < 2 || reads_in_place::<W, S>(c, n) {
         return None;
     }
     let lanes = n * group;
@@ -1112,7 +1132,7 @@ fn rows_task<W: Widen, S: KvSource>(
         std::ptr::write_bytes(p, 0, n * gh);
         std::slice::from_raw_parts_mut(p, n * gh)
     };
-    // Two or more rows on the lanes path: their queries transposed.
+    // Rows on the lanes path: their queries transposed.
     let mut qt_buf = [MaybeUninit::<f32>::uninit(); LANE_BLOCK * MAX_HEAD_DIM];
     let qt = transposed_queries::<W, S>(c, first, n, g, &mut qt_buf);
     let mut spans = [(0usize, 0usize); ROW_BLOCK];
@@ -1177,10 +1197,11 @@ fn rows_task<W: Widen, S: KvSource>(
 }
 
 /// The keys `span` (inside one segment) for the rows `first + i` whose parts `parts[i]` of it
-/// are not empty, K/V head `g`: tile by tile, each tile widened once for all of them, each row's
-/// softmax state (`states[i]`, accumulators `accs[i]`) updated over its own keys. With `qt`
-/// (the rows' queries transposed, see `rows_task`) a tile is computed for 16 query lanes at a
-/// time by [`lanes_step_avx512`], else row by row by [`tile_step`]: the same arithmetic per row.
+/// are not empty, K/V head `g`: tile by tile, each row's softmax state (`states[i]`,
+/// accumulators `accs[i]`) updated over its own keys. Read in place where [`reads_in_place`]
+/// says so; else each tile is widened once for all the rows, and with `qt` (the rows' queries
+/// transposed, see `rows_task`) computed for 16 query lanes at a time by
+/// [`lanes_step_avx512`], without it row by row by [`tile_step`]: the same arithmetic per row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn segment_pass<W: Widen, S: KvSource>(
@@ -1198,29 +1219,23 @@ fn segment_pass<W: Widen, S: KvSource>(
     // Only the x86-64 kernels read the transposed queries.
     #[cfg(not(target_arch = "x86_64"))]
     let _ = qt;
-    // One row (two or more take the lanes path with `qt`) reads its tiles in place where the
-    // ISA has a kernel for it and the tiles lie in single blocks.
+    // Rows that read their tiles in place (`reads_in_place`; the others widen each tile once
+    // for all of them).
     #[cfg(target_arch = "x86_64")]
-    if W::QUERY_LANES > 0 && qt.is_none() && bs.is_multiple_of(LANES) {
-        let avx512 = W::QUERY_LANES == LANES;
-        if avx512 || hd.is_multiple_of(8) {
-            debug_assert_eq!(parts.len(), 1);
-            if parts[0].0 <= parts[0].1 {
-                let (acc, st) = (&mut *accs[0], &mut states[0]);
-                // SAFETY: W = Avx512 (16 query lanes) or Avx2 (8), so the CPU has the
-                // features (detect_isa), and the AVX2 kernel's hd is a multiple of 8; the
-                // part's keys are at most the row's position, so their blocks are in its table
-                // and in the cache (checked on entry); accs[0] holds the group's accumulators.
-                unsafe {
-                    if avx512 {
-                        row_in_place_avx512(c, first, parts[0], g, acc, st)
-                    } else {
-                        row_in_place_avx2(c, first, parts[0], g, acc, st)
-                    }
-                };
+    if qt.is_none() && reads_in_place::<W, S>(c, parts.len()) {
+        // SAFETY: W = Avx512 (16 query lanes) or Avx2 (8), so the CPU has the features
+        // (detect_isa), and the AVX2 kernel's hd is a multiple of 8 (reads_in_place); each
+        // part's keys are at most its row's position, so their blocks are in the rows' table
+        // and in the cache (checked on entry); accs[i] holds the group's accumulators for
+        // every row whose part is not empty.
+        unsafe {
+            if W::QUERY_LANES == LANES {
+                rows_in_place_avx512(c, first, parts, g, accs, states)
+            } else {
+                rows_in_place_avx2(c, first, parts, g, accs, states)
             }
-            return;
-        }
+        };
+        return;
     }
     let table = c.table(first);
     let geo = Geom { bs, kvh, hd };

@@ -1,5 +1,5 @@
-//! One row's key tiles read in place on AVX2: the decode path (and any row that runs alone,
-//! such as a split-K segment), as [`super::row_avx512`] is on AVX-512.
+//! A row's key tiles read in place on AVX2: decode rows and the rows of short blocks, as
+//! [`super::row_avx512`] is on AVX-512.
 //!
 //! A tile's 16 keys are two vectors of 8 here. The arithmetic is [`super::tile_step`]'s
 //! operation for operation, so the bits are those of the portable build (which

@@ -1,8 +1,8 @@
-//! One row's key tiles read in place on AVX-512: the decode path (and any row that runs
-//! alone, such as a split-K segment).
+//! A row's key tiles read in place on AVX-512: decode rows, and the rows of blocks shorter than
+//! a full one (a verification of drafts, a short turn), each row in turn over each tile.
 //!
 //! [`super::tile_step`] takes a tile widened to f32 into a buffer, which pays for itself when
-//! many rows share the tile (prefill row blocks). A decode row uses each tile once, so the
+//! many rows share the tile (full prefill row blocks). A decode row uses each tile once, so the
 //! widening's stores and reloads were a third of its time; here each vector of 16 keys' element
 //! `d`, and each value row, is loaded and widened straight into the arithmetic (a q8_0 tile's
 //! int8s times their f16 scales, the product `kv_q8` defines and the widening path stores). The arithmetic

@@ -606,10 +606,10 @@ fn attention_rows_are_batch_invariant_at_16k() {
     );
 }
 
-/// A row read in place (decode, split-K segments) gives the portable build's bits for every
-/// group size the kernels unroll (1 to 4 heads, and 5 = 4 + 1), head dimensions that are
-/// and are not a multiple of 8 (the AVX2 kernel's condition), blocks of 16 and 32 keys, with
-/// and without split-K, in every K/V format.
+/// Rows read in place (a decode row; 2 and 5 consecutive rows, a verification of drafts) give
+/// the portable build's bits for every group size the kernels unroll (1 to 4 heads, and 5,
+/// which is 4 and 1), head dimensions that are and are not a multiple of 8 (the AVX2 kernel's
+/// condition), blocks of 16 and 32 keys, with and without split-K, in every K/V format.
 #[test]
 fn in_place_rows_equal_the_portable_build() {
     let mut rng = Rng(77);
@@ -629,19 +629,24 @@ fn in_place_rows_equal_the_portable_build() {
         let k: Vec<f32> = (0..n).map(|_| rng.signed() * 2.0).collect();
         let v: Vec<f32> = (0..n).map(|_| rng.signed()).collect();
         let stored = Stored::new(k, v, bs, kvh, hd);
-        let q: Vec<f32> = (0..n_heads * hd).map(|_| rng.signed() * 2.0).collect();
-        // A position inside a tile, so the last tile has invisible lanes.
-        let rows = [AttnRow {
-            pos: (len - 6) as u32,
-            table_start: 0,
-            table_len: blocks as u32,
-        }];
         let scale = 1.0 / (hd as f32).sqrt();
-        for dt in DTS {
+        for (n_rows, dt) in [1, 2, 5].into_iter().flat_map(|n| DTS.map(|dt| (n, dt))) {
+            let q: Vec<f32> = (0..n_rows * n_heads * hd)
+                .map(|_| rng.signed() * 2.0)
+                .collect();
+            // The last row inside a tile, so the last tile has invisible lanes, and each row
+            // sees one key more than the row before.
+            let rows: Vec<AttnRow> = (len - 5 - n_rows..len - 5)
+                .map(|pos| AttnRow {
+                    pos: pos as u32,
+                    table_start: 0,
+                    table_len: blocks as u32,
+                })
+                .collect();
             let kv = stored.layer(dt);
             let run = |isa: Isa, split: Split| {
                 let mut out = vec![f32::NAN; q.len()];
-                let mut scratch = AttnScratch::new(1, n_heads, hd, 2);
+                let mut scratch = AttnScratch::new(n_rows, n_heads, hd, 2);
                 paged_attention_with(
                     &q,
                     &rows,
@@ -665,8 +670,8 @@ fn in_place_rows_equal_the_portable_build() {
                         assert_eq!(
                             a.to_bits(),
                             b.to_bits(),
-                            "{isa:?} {split:?} {dt:?} group {group} hd {hd} bs {bs} at {i}: \
-                             {b} vs the portable {a}"
+                            "{isa:?} {split:?} {dt:?} group {group} hd {hd} bs {bs}, {n_rows} \
+                             rows, at {i}: {b} vs the portable {a}"
                         );
                     }
                 }

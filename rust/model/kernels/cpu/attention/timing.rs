@@ -127,3 +127,51 @@ fn timing_row_block_attention() {
         );
     }
 }
+
+/// A verification of 0 to 15 drafts (1 to 16 consecutive rows of one sequence) at a long
+/// context, smollm's heads, f16 K/V: what a step's attention costs by its rows.
+#[test]
+#[ignore]
+fn timing_verification_rows() {
+    let (n_heads, hd, ctx) = (9usize, 64usize, 4096usize);
+    let threads = rayon::current_num_threads();
+    let (stored, tables) = smollm_cache(ctx);
+    let kv = stored.layer_of(1);
+    for n in 1..=16usize {
+        let rows: Vec<AttnRow> = (ctx - n..ctx)
+            .map(|pos| AttnRow {
+                pos: pos as u32,
+                table_start: 0,
+                table_len: tables.len() as u32,
+            })
+            .collect();
+        let q = vec![0.1f32; n * n_heads * hd];
+        let mut out = vec![0.0f32; n * n_heads * hd];
+        let mut scratch = AttnScratch::new(n, n_heads, hd, threads);
+        let mut rounds = Vec::new();
+        for _ in 0..9 {
+            let mut best = f64::INFINITY;
+            for _ in 0..20 {
+                let t = Instant::now();
+                paged_attention(
+                    &q,
+                    &rows,
+                    &tables,
+                    &kv,
+                    n_heads,
+                    0.125,
+                    None,
+                    &mut out,
+                    &mut scratch,
+                );
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            rounds.push(best);
+        }
+        rounds.sort_by(f64::total_cmp);
+        println!(
+            "{n} rows at ctx {ctx}, f16, {threads} threads: {:.1} us (median of rounds)",
+            rounds[rounds.len() / 2] * 1e6
+        );
+    }
+}
