@@ -565,10 +565,11 @@ class Engine:
         speculative sampling's rule for a draft proposed with certainty). A sequence drafts as
         many tokens as its acceptance rate and the measured time of steps with that many more
         rows say pay (none where each row costs as much as a step: plain decoding is then
-        faster), fewer after rejections, none for a while after a run of them;
-        speculative_adaptive=False drafts whatever lookup proposes (for tests and
-        measurements). A path instead of "ngram" names a draft model (a GGUF file or a model
-        folder, with the target's tokenizer token for token; `quantize` and `bf16_dot` apply to
+        faster), and where none pays checks one now and then so that the estimate can recover;
+        speculative_adaptive=False drafts what lookup proposes, fewer after rejections, none
+        for a while after a run of them (for tests and measurements). A path instead of
+        "ngram" names a draft model (a GGUF file or a model folder, with the target's
+        tokenizer token for token; `quantize` and `bf16_dot` apply to
         it as to the target): it proposes its greedy picks, its K/V kept in the target's blocks
         (prefix cache, tiers and restarts serve both), and it runs over every token of the
         sequences that draft; with the adaptive policy one whose drafts stay rejected

@@ -9,10 +9,11 @@
 //! acceptance rate pays for drafts. So each sequence keeps its acceptance rate, the engine keeps
 //! the measured time of decode steps by their number of rows ([`StepCosts`]), and a sequence
 //! drafts the number of tokens that gives the step (its batch) the most expected tokens per
-//! second ([`best_draft_len`]), none when plain decoding is faster. On top of that, a sequence
-//! whose drafts are all rejected drafts fewer, and none for a while after a run of rejections;
-//! with a draft model, one whose drafts stay rejected stops for good
-//! ([`DraftLength::stays_rejected`]).
+//! second ([`best_draft_len`]), none when plain decoding is faster, then one draft now and then
+//! so that the estimate can recover ([`DraftLength::probe`]); with a draft model, one whose
+//! drafts stay rejected stops for good ([`DraftLength::stays_rejected`]). Without the adaptive
+//! policy (measurements), a sequence whose drafts are all rejected drafts fewer, and none for
+//! a while after a run of rejections ([`DraftLength::take`]).
 
 /// Drafting settings, the same for every sequence of an engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,9 +135,12 @@ pub fn expected_accepted(n: usize, rate: f64) -> f64 {
     (1..=n).map(|m| rate.powi(m as i32)).sum()
 }
 
-/// How many drafts a sequence tries next: halved when none of a step's drafts were accepted,
-/// grown by one when all were; at zero, drafting pauses for a number of steps that doubles with
-/// each pause (up to `MAX_PAUSE`), then tries one draft again.
+/// A sequence's drafting state: the estimated chance that a draft is accepted; without the
+/// adaptive policy, how many drafts it tries next ([`DraftLength::take`]: halved when none of a
+/// step's drafts were accepted, grown by one when all were; at zero, drafting pauses for a
+/// number of steps that doubles with each pause, up to `MAX_PAUSE`, then tries one draft
+/// again); with it, when to check a draft that the costs say does not pay
+/// ([`DraftLength::probe`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DraftLength {
     next: usize,
@@ -144,6 +148,9 @@ pub struct DraftLength {
     paused: u32,
     /// Length of the next pause.
     pause: u32,
+    /// Steps with drafts on offer left before the next probe, and the wait after it.
+    probe_wait: u32,
+    probe_gap: u32,
     /// Decayed counts of drafts accepted and of drafts checked (a draft after a rejected one is
     /// not checked): their ratio estimates the chance that the next draft is accepted.
     accepted: f64,
@@ -164,6 +171,8 @@ impl DraftLength {
             next: max_drafts,
             paused: 0,
             pause: FIRST_PAUSE,
+            probe_wait: FIRST_PAUSE,
+            probe_gap: 2 * FIRST_PAUSE,
             // A prior of one accepted draft in two.
             accepted: 1.0,
             checked: 2.0,
@@ -189,6 +198,29 @@ impl DraftLength {
             return 0;
         }
         self.next
+    }
+
+    /// With the adaptive policy, for a step at which no draft pays at the estimated rate
+    /// (drafts on offer): whether to check one all the same. The estimate moves only when
+    /// drafts are checked, so one that fell low (or a long context that made rows cheap)
+    /// would otherwise never be revised. The first after `FIRST_PAUSE` such steps, each later
+    /// one after twice the wait before, up to `MAX_PAUSE` (so a sequence whose drafts never
+    /// pay spends one row in some 128 steps), and back to the shortest wait once the costs
+    /// choose drafts again ([`DraftLength::chosen`]).
+    pub fn probe(&mut self) -> bool {
+        if self.probe_wait > 1 {
+            self.probe_wait -= 1;
+            return false;
+        }
+        self.probe_wait = self.probe_gap;
+        self.probe_gap = (self.probe_gap * 2).min(MAX_PAUSE);
+        true
+    }
+
+    /// The costs chose drafts at this step: the next probe comes after the shortest wait.
+    pub fn chosen(&mut self) {
+        self.probe_wait = FIRST_PAUSE;
+        self.probe_gap = 2 * FIRST_PAUSE;
     }
 
     /// Records a step's outcome: `accepted` of `proposed` drafts.
@@ -374,6 +406,19 @@ mod tests {
             }
             assert!(!d.stays_rejected(), "step {step}: rate {}", d.rate());
         }
+    }
+
+    #[test]
+    fn drafts_that_do_not_pay_are_probed_less_and_less_often() {
+        let mut d = DraftLength::new(4);
+        let probes: Vec<u32> = (1..=600).filter(|_| d.probe()).collect();
+        assert_eq!(probes, [4, 12, 28, 60, 124, 252, 380, 508]);
+        // Drafts chosen again: the waits start over.
+        d.chosen();
+        let next: Vec<bool> = (0..4).map(|_| d.probe()).collect();
+        assert_eq!(next, [false, false, false, true]);
+        // Probing changes neither the estimate nor the length without the adaptive policy.
+        assert_eq!((d.rate(), d.take()), (0.5, 4));
     }
 
     #[test]

@@ -348,7 +348,14 @@ impl<O> Scheduler<O> {
         }
         // Every draft accepted, plus the token after them, must fit the sequence's length.
         let fits = seq.max_len.saturating_sub(seq.tokens.len() + 1);
-        let max = drafting.take().min(room).min(fits);
+        // The adaptive policy weighs every draft the options allow (`best_draft_len`); without
+        // it the length follows the last steps' acceptance (`DraftLength::take`).
+        let wanted = if options.adaptive {
+            options.max_drafts
+        } else {
+            drafting.take()
+        };
+        let max = wanted.min(room).min(fits);
         if options.model {
             // The draft model fills them in before the step's forward (`EngineCore::propose`).
             seq.drafts.resize(max, 0);
@@ -373,8 +380,18 @@ impl<O> Scheduler<O> {
                 self.counters.draft_detached += 1;
                 return (0, 0.0);
             }
-            // Not measured yet: none this step, which measures it.
-            seq.drafts.truncate(best.unwrap_or(0));
+            // Not measured yet: none this step, which measures it. None pays at the estimated
+            // rate: one draft now and then all the same (`DraftLength::probe`), since only
+            // checked drafts move the estimate.
+            let n = match best {
+                None => 0,
+                Some(0) => usize::from(available > 0 && drafting.probe()),
+                Some(k) => {
+                    drafting.chosen();
+                    k
+                }
+            };
+            seq.drafts.truncate(n);
         }
         let n = seq.drafts.len();
         if n == 0 {
@@ -864,6 +881,15 @@ mod tests {
         assert_windows_held(&s, &kv);
     }
 
+    /// Lookup drafts, up to 4, with the adaptive policy.
+    const LOOKUP: DraftOptions = DraftOptions {
+        model: false,
+        max_drafts: 4,
+        min_n: 1,
+        max_n: 3,
+        adaptive: true,
+    };
+
     /// Runs one sequence to the end of `output` (what the "model" picks at each position), with
     /// n-gram drafts or without; after every step, records (tokens, computed, table blocks, pool
     /// blocks used, blocks indexed) and the drafts proposed and accepted.
@@ -877,13 +903,7 @@ mod tests {
         let mut s = Scheduler::<()>::new(4, 64, BS, 1);
         let mut q = seq(0, prompt.to_vec());
         if drafting {
-            s.speculative = Some(DraftOptions {
-                model: false,
-                max_drafts: 4,
-                min_n: 1,
-                max_n: 3,
-                adaptive: true,
-            });
+            s.speculative = Some(LOOKUP);
             q.drafting = Some(super::super::ngram::DraftLength::new(4));
             // Steps measured as weights-bound (every row count as cheap as one): drafts pay.
             for rows in 1..=8 {
@@ -921,6 +941,53 @@ mod tests {
             ]);
         }
         (records, proposed, accepted)
+    }
+
+    /// The steps (of the first 40) at which a sequence that repeats "1 2 3 4 5" drafts, and how
+    /// many drafts, with step costs `cost(rows)`; the model goes on repeating it (drafts are
+    /// right; the estimate is not updated here, so it stays at its prior of one in two).
+    fn drafted_steps(cost: impl Fn(usize) -> f64) -> Vec<(usize, usize)> {
+        let mut kv = pool(64);
+        let mut cache = ConversationCache::off(BS, kv.bytes_per_block());
+        let mut s = Scheduler::<()>::new(4, 64, BS, 1);
+        s.speculative = Some(LOOKUP);
+        for rows in 1..=8 {
+            s.step_costs.record(rows, cost(rows));
+        }
+        let mut q = seq(0, [1, 2, 3, 4, 5].repeat(2));
+        q.drafting = Some(super::super::ngram::DraftLength::new(4));
+        s.waiting.push_back(q);
+        let mut drafted = Vec::new();
+        for step in 0..40 {
+            let plan = s.schedule(&mut kv, &mut cache);
+            s.commit(&plan, &mut kv);
+            let q = &mut s.running[0];
+            if q.computed < q.tokens.len() {
+                continue;
+            }
+            if !q.drafts.is_empty() {
+                drafted.push((step, q.drafts.len()));
+            }
+            for _ in 0..=q.drafts.len() {
+                q.tokens.push(q.tokens[q.tokens.len() - 5]);
+            }
+            s.accept_drafts(0, &mut kv);
+        }
+        drafted
+    }
+
+    #[test]
+    fn drafts_that_do_not_pay_are_only_probed() {
+        // Every row as dear as the first: at one in two, no draft pays; one is checked at the
+        // 4th, 12th and 28th decode steps (the waits doubling) so that the estimate can move.
+        assert_eq!(
+            drafted_steps(|rows| 0.010 * rows as f64),
+            [(4, 1), (12, 1), (28, 1)]
+        );
+        // Rows nearly free: all four drafts pay at every decode step (the prompt is step 0).
+        let cheap = drafted_steps(|rows| 0.010 + 0.0001 * rows as f64);
+        assert_eq!(cheap.len(), 39);
+        assert!(cheap.iter().all(|&(_, n)| n == 4), "{cheap:?}");
     }
 
     #[test]
