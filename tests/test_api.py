@@ -145,6 +145,24 @@ async def test_token_id_errors_and_context_overflow(model_dir: MakeModel) -> Non
         await engine.close()
 
 
+async def test_benchmark_needs_the_prompt_for_prefill_and_the_steps_for_decode(
+    model_dir: MakeModel,
+) -> None:
+    engine = await Engine.load(model_dir("llama"), max_context=64)
+    try:
+        # A prefill of the whole context fits (it decodes nothing after).
+        r = await engine.benchmark(prefill_lens=[64], decode_contexts=[], repeats=1)
+        assert list(r["prefill_tok_s"]) == [64] and r["prefill_tok_s"][64] > 0
+        # Decode at 40 for 32 steps needs 72.
+        with pytest.raises(ContextOverflow) as o:
+            await engine.benchmark(prefill_lens=[], decode_contexts=[40], decode_steps=32)
+        assert str(o.value) == "bench needs 72 tokens of context but the engine holds 64"
+        r = await engine.benchmark(prefill_lens=[], decode_contexts=[32], decode_steps=32)
+        assert list(r["decode_tok_s"]) == [32] and r["decode_tok_s"][32] > 0
+    finally:
+        await engine.close()
+
+
 async def test_kv_format_follows_the_weights(model_dir: MakeModel) -> None:
     for dtype, kv in (("f32", "f32"), ("bf16", "f16"), ("f16", "f16")):
         engine = await Engine.load(model_dir("llama", dtype))

@@ -352,11 +352,12 @@ impl Engine {
 
     /// Times prefill and decode on the engine thread (see `bench`).
     pub fn bench(&self, spec: BenchSpec) -> Result<oneshot::Receiver<Result<BenchReport>>> {
+        // A prefill holds its prompt; a decode context, its steps too.
         let needed = spec
             .prefill_lens
             .iter()
-            .chain(&spec.decode_contexts)
-            .map(|&n| n + spec.decode_steps)
+            .copied()
+            .chain(spec.decode_contexts.iter().map(|&n| n + spec.decode_steps))
             .max()
             .unwrap_or(0);
         if needed > self.info.max_context {
