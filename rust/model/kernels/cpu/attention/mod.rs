@@ -1222,7 +1222,7 @@ fn segment_pass<W: Widen, S: KvSource>(
     // Rows that read their tiles in place (`reads_in_place`; the others widen each tile once
     // for all of them).
     #[cfg(target_arch = "x86_64")]
-    if qt.is_none() && reads_in_place::<W, S>(c, parts.len()) {
+    if reads_in_place::<W, S>(c, parts.len()) {
         // SAFETY: W = Avx512 (16 query lanes) or Avx2 (8), so the CPU has the features
         // (detect_isa), and the AVX2 kernel's hd is a multiple of 8 (reads_in_place); each
         // part's keys are at most its row's position, so their blocks are in the rows' table

@@ -15,6 +15,18 @@ fn smollm_cache(ctx: usize) -> (tests::Stored, Vec<u32>) {
     )
 }
 
+/// The last `n` rows of a sequence of `ctx` keys whose block table is `tables`: a decode row,
+/// or a verification of `n - 1` drafts.
+fn last_rows(ctx: usize, n: usize, tables: &[u32]) -> Vec<AttnRow> {
+    (ctx - n..ctx)
+        .map(|pos| AttnRow {
+            pos: pos as u32,
+            table_start: 0,
+            table_len: tables.len() as u32,
+        })
+        .collect()
+}
+
 #[test]
 #[ignore]
 fn timing_decode_attention() {
@@ -22,11 +34,7 @@ fn timing_decode_attention() {
     let threads = rayon::current_num_threads();
     for &ctx in &[512usize, 2048, 8192] {
         let (stored, tables) = smollm_cache(ctx);
-        let rows = [AttnRow {
-            pos: ctx as u32 - 1,
-            table_start: 0,
-            table_len: tables.len() as u32,
-        }];
+        let rows = last_rows(ctx, 1, &tables);
         let q = vec![0.1f32; n_heads * hd];
         let mut out = vec![0.0f32; n_heads * hd];
         let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
@@ -80,13 +88,7 @@ fn timing_row_block_attention() {
     for &ctx in &[512usize, 2048, 8192] {
         let (stored, tables) = smollm_cache(ctx);
         let kv = stored.layer_of(1);
-        let rows: Vec<AttnRow> = (ctx - n..ctx)
-            .map(|pos| AttnRow {
-                pos: pos as u32,
-                table_start: 0,
-                table_len: tables.len() as u32,
-            })
-            .collect();
+        let rows = last_rows(ctx, n, &tables);
         let q = vec![0.1f32; n * n_heads * hd];
         let mut out = vec![0.0f32; n * n_heads * hd];
         let mut scratch = AttnScratch::new(n, n_heads, hd, threads);
@@ -138,13 +140,7 @@ fn timing_verification_rows() {
     let (stored, tables) = smollm_cache(ctx);
     let kv = stored.layer_of(1);
     for n in 1..=16usize {
-        let rows: Vec<AttnRow> = (ctx - n..ctx)
-            .map(|pos| AttnRow {
-                pos: pos as u32,
-                table_start: 0,
-                table_len: tables.len() as u32,
-            })
-            .collect();
+        let rows = last_rows(ctx, n, &tables);
         let q = vec![0.1f32; n * n_heads * hd];
         let mut out = vec![0.0f32; n * n_heads * hd];
         let mut scratch = AttnScratch::new(n, n_heads, hd, threads);
