@@ -96,6 +96,22 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn store(acc: &[[__m256; 2]], out: Out, t0: usize, r0: usize, vr: usize) {
+    if vr == GROUP {
+        // A whole group: two vector stores per token (a token's rows are adjacent in `y`),
+        // `acc + bias` lane by lane as `Out::put` computes it.
+        let bias = out.bias.map(|b| {
+            let b = b.as_ptr().add(r0);
+            [_mm256_loadu_ps(b), _mm256_loadu_ps(b.add(8))]
+        });
+        for (t, halves) in acc.iter().enumerate() {
+            let y = out.at(t0 + t, r0);
+            for (h, &a) in halves.iter().enumerate() {
+                let v = bias.map_or(a, |b| _mm256_add_ps(a, b[h]));
+                _mm256_storeu_ps(y.add(8 * h), v);
+            }
+        }
+        return;
+    }
     for (t, halves) in acc.iter().enumerate() {
         let mut lanes = [0f32; GROUP];
         _mm256_storeu_ps(lanes.as_mut_ptr(), halves[0]);

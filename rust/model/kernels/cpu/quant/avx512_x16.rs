@@ -77,12 +77,25 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
     } else {
         group_q6_k::<T>(group, act, t0)
     };
-    for (t, a) in acc.iter().enumerate() {
-        let mut lanes = [0f32; GROUP];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-        for (i, &v) in lanes.iter().enumerate().take(vr) {
-            out.put(t0 + t, r0 + i, v);
-        }
+    store(&acc, out, t0, r0, vr);
+}
+
+/// Stores a tile's accumulators (`[token]`, lane `i`: row `r0 + i`) for its `vr` valid rows:
+/// one masked vector store per token (a token's rows are adjacent in `y`), `acc + bias` lane
+/// by lane as [`Out::put`] computes it.
+///
+/// # Safety
+/// As [`rows`]: those outputs belong to the caller.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+pub(super) unsafe fn store(acc: &[__m512], out: Out, t0: usize, r0: usize, vr: usize) {
+    let valid: __mmask16 = if vr >= GROUP { !0 } else { (1 << vr) - 1 };
+    let bias = out
+        .bias
+        .map(|b| _mm512_maskz_loadu_ps(valid, b.as_ptr().add(r0)));
+    for (t, &a) in acc.iter().enumerate() {
+        let v = bias.map_or(a, |b| _mm512_add_ps(a, b));
+        _mm512_mask_storeu_ps(out.at(t0 + t, r0), valid, v);
     }
 }
 

@@ -8,7 +8,7 @@
 //! vector (4 weights per lane, as unsigned bytes) with 4 activation bytes broadcast to every
 //! lane adds each row's 4 products to its own lane, so a block's integer sum arrives per row
 //! with no reduction, and the 16 f16 scales of a block are one load. Tiles are one group x up
-//! to 4 tokens ([`TILE_TOKENS`]); the group's records are read once per tile from memory (one
+//! to 8 tokens ([`TILE_TOKENS`]); the group's records are read once per tile from memory (one
 //! stream, prefetched [`PREFETCH_BYTES`] ahead as in [`super::avx2_x16_b32`]) and from cache
 //! for the next token tiles.
 //!
@@ -27,14 +27,18 @@
 //! path's bits.
 
 use super::activation::Act;
-use super::avx2_x16::{PREFETCH_BYTES, TILE_TOKENS};
+use super::avx2_x16::PREFETCH_BYTES;
 use super::avx512::step;
-use super::avx512_x16::{bcast, rows_f16};
+use super::avx512_x16::{bcast, rows_f16, store};
 use super::interleave::GROUP;
 use super::linear::{Out, QuantMatRef};
 use super::x86::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
 use super::QuantType;
 use std::arch::x86_64::*;
+
+/// Most tokens per tile: 8 tokens' two accumulator chains and sums are 24 of the 32 vector
+/// registers.
+const TILE_TOKENS: usize = 8;
 
 /// Rows `r0..r1` (`r0` a multiple of [`GROUP`]) of the interleaved `w` (Q4_0, Q4_1, Q5_0, Q5_1
 /// or Q8_0) for all tokens of `act`.
@@ -92,31 +96,26 @@ unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, 
     while r < r1 {
         let group = w.data.as_ptr().add(r * rb);
         let vr = (r1 - r).min(GROUP);
+        // As few tiles as `TILE_TOKENS` allows, of even sizes (9 tokens: 5 + 4, not 8 + 1: a
+        // short tile pays the weights' unpacking for few products).
         let mut t = 0;
+        let mut tiles = act.n.div_ceil(TILE_TOKENS);
         while t < act.n {
-            let vt = (act.n - t).min(TILE_TOKENS);
+            let vt = (act.n - t).div_ceil(tiles);
             match vt {
                 1 => store(&group_b32::<TY, 1>(group, act, t), out, t, r, vr),
                 2 => store(&group_b32::<TY, 2>(group, act, t), out, t, r, vr),
                 3 => store(&group_b32::<TY, 3>(group, act, t), out, t, r, vr),
-                _ => store(&group_b32::<TY, 4>(group, act, t), out, t, r, vr),
+                4 => store(&group_b32::<TY, 4>(group, act, t), out, t, r, vr),
+                5 => store(&group_b32::<TY, 5>(group, act, t), out, t, r, vr),
+                6 => store(&group_b32::<TY, 6>(group, act, t), out, t, r, vr),
+                7 => store(&group_b32::<TY, 7>(group, act, t), out, t, r, vr),
+                _ => store(&group_b32::<TY, 8>(group, act, t), out, t, r, vr),
             }
             t += vt;
+            tiles -= 1;
         }
         r += GROUP;
-    }
-}
-
-/// Stores a tile's accumulators (`[token]`, lane `i`: row `r0 + i`) for its `vr` valid rows.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
-unsafe fn store(acc: &[__m512], out: Out, t0: usize, r0: usize, vr: usize) {
-    for (t, a) in acc.iter().enumerate() {
-        let mut lanes = [0f32; GROUP];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
-        for (i, &v) in lanes.iter().enumerate().take(vr) {
-            out.put(t0 + t, r0 + i, v);
-        }
     }
 }
 

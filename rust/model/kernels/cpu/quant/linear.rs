@@ -349,7 +349,16 @@ impl Out<'_> {
             Some(b) => acc + b[r],
             None => acc,
         };
-        *self.y.add(t * self.m + r) = v;
+        *self.at(t, r) = v;
+    }
+
+    /// Where output row `r` of token `t` goes.
+    ///
+    /// # Safety
+    /// As [`Out::put`].
+    #[inline(always)]
+    pub unsafe fn at(self, t: usize, r: usize) -> *mut f32 {
+        self.y.add(t * self.m + r)
     }
 }
 
