@@ -27,6 +27,17 @@ fn last_rows(ctx: usize, n: usize, tables: &[u32]) -> Vec<AttnRow> {
         .collect()
 }
 
+/// The best of `reps` timed calls of `f`, in seconds.
+fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
 #[test]
 #[ignore]
 fn timing_decode_attention() {
@@ -43,9 +54,7 @@ fn timing_decode_attention() {
         for _ in 0..15 {
             for (f, round) in rounds.iter_mut().enumerate() {
                 let kv = stored.layer_of(f);
-                let mut best = f64::INFINITY;
-                for _ in 0..40 {
-                    let t = Instant::now();
+                round.push(best_of(40, || {
                     paged_attention(
                         &q,
                         &rows,
@@ -56,10 +65,8 @@ fn timing_decode_attention() {
                         None,
                         &mut out,
                         &mut scratch,
-                    );
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-                round.push(best);
+                    )
+                }));
             }
         }
         for (f, round) in rounds.iter_mut().enumerate() {
@@ -95,9 +102,7 @@ fn timing_row_block_attention() {
         let mut rounds = [Vec::new(), Vec::new()];
         for _ in 0..15 {
             for (round, split) in rounds.iter_mut().zip([Split::Auto, Split::Never]) {
-                let mut best = f64::INFINITY;
-                for _ in 0..40 {
-                    let t = Instant::now();
+                round.push(best_of(40, || {
                     paged_attention_with(
                         &q,
                         &rows,
@@ -110,10 +115,8 @@ fn timing_row_block_attention() {
                         &mut scratch,
                         detect_isa(),
                         split,
-                    );
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-                round.push(best);
+                    )
+                }));
             }
         }
         let median = |r: &mut Vec<f64>| {
@@ -146,9 +149,7 @@ fn timing_verification_rows() {
         let mut scratch = AttnScratch::new(n, n_heads, hd, threads);
         let mut rounds = Vec::new();
         for _ in 0..9 {
-            let mut best = f64::INFINITY;
-            for _ in 0..20 {
-                let t = Instant::now();
+            rounds.push(best_of(20, || {
                 paged_attention(
                     &q,
                     &rows,
@@ -159,10 +160,8 @@ fn timing_verification_rows() {
                     None,
                     &mut out,
                     &mut scratch,
-                );
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            rounds.push(best);
+                )
+            }));
         }
         rounds.sort_by(f64::total_cmp);
         println!(
