@@ -141,6 +141,7 @@ async def test_info_names_the_cpu_levels_the_kernels_use(model_dir: MakeModel) -
         name
         for name, has in [
             ("avx2", avx2),
+            ("avx_vnni", avx2 and "avx_vnni" in flags),
             ("avx512", avx512),
             ("avx512_vnni", avx512 and "avx512_vnni" in flags),
             ("avx512_bf16", avx512 and "avx512_bf16" in flags),

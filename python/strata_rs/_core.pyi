@@ -702,5 +702,5 @@ class Engine:
         info["matmul_inputs"] says what the weight matmuls round their input rows to: "f32"
         (not rounded), "bf16" (bf16 weights on a CPU with bf16 dot products, as llama.cpp
         and a PyTorch bf16 model compute) or "int8" (quantized weights). info["cpu_levels"]
-        lists the instruction-set levels the CPU kernels dispatch to here ("avx2", "avx512",
-        "avx512_vnni", "avx512_bf16"; none: the portable paths)."""
+        lists the instruction-set levels the CPU kernels dispatch to here ("avx2", "avx_vnni",
+        "avx512", "avx512_vnni", "avx512_bf16"; none: the portable paths)."""

@@ -9,6 +9,9 @@ use std::sync::OnceLock;
 pub struct CpuLevels {
     /// AVX2 with FMA and F16C.
     pub avx2: bool,
+    /// `avx2` and AVX-VNNI (`vpdpbusd` on 256-bit vectors, VEX-encoded: Intel's cores without
+    /// AVX-512 since Alder Lake, AMD's since Zen 5).
+    pub avx_vnni: bool,
     /// AVX-512 F, BW and VL, with FMA and F16C.
     pub avx512: bool,
     /// `avx512` and AVX-512 VNNI (`vpdpbusd`).
@@ -18,11 +21,13 @@ pub struct CpuLevels {
 }
 
 impl CpuLevels {
-    /// The levels present, by name (`avx2`, `avx512`, `avx512_vnni`, `avx512_bf16`): what the
-    /// kernels may dispatch to on this CPU (none: the portable paths only).
+    /// The levels present, by name (`avx2`, `avx_vnni`, `avx512`, `avx512_vnni`,
+    /// `avx512_bf16`): what the kernels may dispatch to on this CPU (none: the portable paths
+    /// only).
     pub fn names(&self) -> Vec<&'static str> {
         [
             (self.avx2, "avx2"),
+            (self.avx_vnni, "avx_vnni"),
             (self.avx512, "avx512"),
             (self.avx512_vnni, "avx512_vnni"),
             (self.avx512_bf16, "avx512_bf16"),
@@ -51,6 +56,7 @@ fn detect() -> CpuLevels {
         && is_x86_feature_detected!("f16c");
     CpuLevels {
         avx2,
+        avx_vnni: avx2 && is_x86_feature_detected!("avxvnni"),
         avx512,
         avx512_vnni: avx512 && is_x86_feature_detected!("avx512vnni"),
         avx512_bf16: avx512 && is_x86_feature_detected!("avx512bf16"),
@@ -61,6 +67,7 @@ fn detect() -> CpuLevels {
 fn detect() -> CpuLevels {
     CpuLevels {
         avx2: false,
+        avx_vnni: false,
         avx512: false,
         avx512_vnni: false,
         avx512_bf16: false,
@@ -77,6 +84,7 @@ mod tests {
         let c = cpu();
         assert!(!c.avx512_vnni || c.avx512);
         assert!(!c.avx512_bf16 || c.avx512);
+        assert!(!c.avx_vnni || c.avx2);
         #[cfg(target_arch = "x86_64")]
         assert_eq!(
             c.avx2,
@@ -89,7 +97,7 @@ mod tests {
         assert_eq!(names.contains(&"avx512_vnni"), c.avx512_vnni);
         assert_eq!(
             names.len(),
-            [c.avx2, c.avx512, c.avx512_vnni, c.avx512_bf16]
+            [c.avx2, c.avx_vnni, c.avx512, c.avx512_vnni, c.avx512_bf16]
                 .iter()
                 .filter(|&&x| x)
                 .count()

@@ -31,25 +31,75 @@ pub(super) const PREFETCH_BYTES: usize = 4096;
 /// Tokens per tile.
 pub(super) const TILE_TOKENS: usize = 4;
 
-/// Rows `r0..r1` (`r0` a multiple of [`GROUP`]) of the interleaved `w` for all tokens of `act`.
+/// How a lane's 4-byte dot products are summed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dot {
+    /// AVX2: `vpmaddubsw` into i16 pairs, `vpmaddwd` with ones into i32.
+    Maddubs,
+    /// AVX-VNNI: `vpdpbusd`, VEX-encoded.
+    AvxVnni,
+    /// The same `vpdpbusd` EVEX-encoded (AVX-512 VNNI and VL): what the tests run the
+    /// AVX-VNNI arithmetic with on a CPU that has AVX-512 VNNI but not AVX-VNNI.
+    #[cfg(test)]
+    Avx512VnniYmm,
+}
+
+// `Dot` as const generic parameters.
+pub(super) const MADDUBS: u8 = 0;
+pub(super) const AVX_VNNI: u8 = 1;
+#[cfg(test)]
+pub(super) const AVX512_VNNI_YMM: u8 = 2;
+
+/// Rows `r0..r1` (`r0` a multiple of [`GROUP`]) of the interleaved `w` for all tokens of `act`,
+/// the dot products summed by `dot`.
 ///
 /// # Safety
-/// As `linear::rows_dispatch` (the CPU has AVX2, FMA and F16C); `w` is interleaved.
-pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+/// As `linear::rows_dispatch` (the CPU has AVX2, FMA and F16C, and what `dot` needs); `w` is
+/// interleaved.
+pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out, dot: Dot) {
     // A group starting elsewhere would read past the (padded) data: a caller bug, checked.
     assert!(
         r0.is_multiple_of(GROUP),
         "interleaved rows start at a group"
     );
-    match w.ty {
-        QuantType::Q4_K => drive::<true>(w, r0, r1, act, out),
-        QuantType::Q6_K => drive::<false>(w, r0, r1, act, out),
-        ty => unreachable!("no interleaved kernel for {ty:?}"),
+    match (dot, w.ty) {
+        (Dot::Maddubs, QuantType::Q4_K) => drive::<true>(w, r0, r1, act, out),
+        (Dot::AvxVnni, QuantType::Q4_K) => drive_vnni::<true>(w, r0, r1, act, out),
+        #[cfg(test)]
+        (Dot::Avx512VnniYmm, QuantType::Q4_K) => drive_evex::<true>(w, r0, r1, act, out),
+        (Dot::Maddubs, QuantType::Q6_K) => drive::<false>(w, r0, r1, act, out),
+        (Dot::AvxVnni, QuantType::Q6_K) => drive_vnni::<false>(w, r0, r1, act, out),
+        #[cfg(test)]
+        (Dot::Avx512VnniYmm, QuantType::Q6_K) => drive_evex::<false>(w, r0, r1, act, out),
+        (_, ty) => unreachable!("no interleaved kernel for {ty:?}"),
     }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<Q4K, MADDUBS>(w, r0, r1, act, out)
+}
+
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn drive_vnni<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<Q4K, AVX_VNNI>(w, r0, r1, act, out)
+}
+
+#[cfg(test)]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+unsafe fn drive_evex<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<Q4K, AVX512_VNNI_YMM>(w, r0, r1, act, out)
+}
+
+/// The tiles of rows `r0..r1`; inlined into each `drive`, so compiled with its features.
+#[inline(always)]
+unsafe fn tiles<const Q4K: bool, const DOT: u8>(
+    w: &QuantMatRef,
+    r0: usize,
+    r1: usize,
+    act: &Act,
+    out: Out,
+) {
     let rb = w.ty.row_bytes(w.cols).expect("whole blocks");
     let mut r = r0;
     while r < r1 {
@@ -59,10 +109,10 @@ unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Ac
         while t < act.n {
             let vt = (act.n - t).min(TILE_TOKENS);
             match vt {
-                1 => tile::<Q4K, 1>(group, act, t, out, r, vr),
-                2 => tile::<Q4K, 2>(group, act, t, out, r, vr),
-                3 => tile::<Q4K, 3>(group, act, t, out, r, vr),
-                _ => tile::<Q4K, 4>(group, act, t, out, r, vr),
+                1 => tile::<Q4K, DOT, 1>(group, act, t, out, r, vr),
+                2 => tile::<Q4K, DOT, 2>(group, act, t, out, r, vr),
+                3 => tile::<Q4K, DOT, 3>(group, act, t, out, r, vr),
+                _ => tile::<Q4K, DOT, 4>(group, act, t, out, r, vr),
             }
             t += vt;
         }
@@ -71,9 +121,8 @@ unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Ac
 }
 
 /// One group x tokens `t0 .. t0 + T`: the accumulators, then stored for the group's `vr` rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn tile<const Q4K: bool, const T: usize>(
+#[inline(always)]
+unsafe fn tile<const Q4K: bool, const DOT: u8, const T: usize>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -82,9 +131,9 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
     vr: usize,
 ) {
     let acc = if Q4K {
-        group_q4_k::<T>(group, act, t0)
+        group_q4_k::<DOT, T>(group, act, t0)
     } else {
-        group_q6_k::<T>(group, act, t0)
+        group_q6_k::<DOT, T>(group, act, t0)
     };
     store(&acc, out, t0, r0, vr);
 }
@@ -165,9 +214,12 @@ struct Bytes128([u8; 128]);
 /// A Q4_K group's 16 rows x `T` tokens, over all super-blocks: `[token][half]`. (Indexed
 /// loops: the register tile's accumulators are named by token and half.)
 #[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> [[__m256; 2]; T] {
+#[inline(always)]
+unsafe fn group_q4_k<const DOT: u8, const T: usize>(
+    group: *const u8,
+    act: &Act,
+    t0: usize,
+) -> [[__m256; 2]; T] {
     let (k, nb) = (act.k, act.nb);
     let xs: [*const i8; T] = std::array::from_fn(|t| act.qs.as_ptr().add((t0 + t) * k));
     let m63 = _mm256_set1_epi8(63);
@@ -235,6 +287,31 @@ unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             }
             let at = sc.0.as_ptr().add(16 * s);
+            if DOT != MADDUBS {
+                // Per lane, the sub-block's 32 products summed in i32 by `vpdpbusd`, then
+                // times the scale (|sum| <= 32 * 15 * 127, times 63, over 8 sub-blocks: i32).
+                let mut dot = [[_mm256_setzero_si256(); 2]; T];
+                for kq in 0..4 {
+                    let off = 256 * sb + 32 * s + 4 * kq;
+                    for h in 0..2 {
+                        let v = _mm256_loadu_si256(p.add(256 + 256 * s + 64 * kq + 32 * h).cast());
+                        let wl = _mm256_and_si256(v, m0f);
+                        let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                        for t in 0..T {
+                            let lo = dpbusd::<DOT>(dot[t][h], wl, bcast(xs[t], off));
+                            dot[t][h] = dpbusd::<DOT>(lo, wh, bcast(xs[t], off + 16));
+                        }
+                    }
+                }
+                for h in 0..2 {
+                    let scale = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at.add(8 * h).cast()));
+                    for t in 0..T {
+                        let d = _mm256_mullo_epi32(dot[t][h], scale);
+                        i1[t][h] = _mm256_add_epi32(i1[t][h], d);
+                    }
+                }
+                continue;
+            }
             let scale = [pairs::<false>(at, at), pairs::<false>(at.add(8), at.add(8))];
             // Per lane, 8 products of levels <= 15 and |x| <= 127 per `vpmaddubsw` pair, 8
             // pairs: |sum| <= 8 * 2 * 15 * 127 = 30480, inside i16.
@@ -280,9 +357,12 @@ unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
 
 /// A Q6_K group's 16 rows x `T` tokens, over all super-blocks: `[token][half]`.
 #[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> [[__m256; 2]; T] {
+#[inline(always)]
+unsafe fn group_q6_k<const DOT: u8, const T: usize>(
+    group: *const u8,
+    act: &Act,
+    t0: usize,
+) -> [[__m256; 2]; T] {
     let (k, nb) = (act.k, act.nb);
     let xs: [*const i8; T] = std::array::from_fn(|t| act.qs.as_ptr().add((t0 + t) * k));
     let m0f = _mm256_set1_epi8(15);
@@ -345,6 +425,19 @@ unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
                         m30,
                     ),
                 ];
+                if DOT != MADDUBS {
+                    // The sub-block's 16 products summed in i32, then times the (signed)
+                    // scale: |sum| <= 16 * 63 * 127 * 128 per sub-block, 16 of them: i32.
+                    let scale = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at.add(8 * h).cast()));
+                    for t in 0..T {
+                        let mut d = _mm256_setzero_si256();
+                        for g in 0..4 {
+                            d = dpbusd::<DOT>(d, q[g], x[t][g]);
+                        }
+                        i1[t][h] = _mm256_add_epi32(i1[t][h], _mm256_mullo_epi32(d, scale));
+                    }
+                    continue;
+                }
                 for t in 0..T {
                     // Two `vpmaddubsw` of levels <= 63 and |x| <= 127: |sum| <= 4 * 63 * 127
                     // = 32004 per lane, inside i16; then times the scale into i32.
@@ -375,4 +468,16 @@ unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
         }
     }
     acc
+}
+
+/// `acc` plus each lane's 4 products of unsigned `u` and signed `s` bytes: `vpdpbusd` in the
+/// encoding `DOT` names (never [`MADDUBS`]).
+#[inline(always)]
+pub(super) unsafe fn dpbusd<const DOT: u8>(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+    #[cfg(test)]
+    if DOT == AVX512_VNNI_YMM {
+        return _mm256_dpbusd_epi32(acc, u, s);
+    }
+    debug_assert_eq!(DOT, AVX_VNNI);
+    _mm256_dpbusd_avx_epi32(acc, u, s)
 }

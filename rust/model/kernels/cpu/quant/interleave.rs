@@ -73,7 +73,7 @@ pub fn has_layout(ty: QuantType) -> bool {
 }
 
 /// Whether `isa` has a kernel for `ty` interleaved. AVX-512 VNNI reads every type with a
-/// layout; AVX2 all but Q5_0 and Q5_1 (it has no kernel for them: they stay row-major, read
+/// layout; AVX2 (with or without AVX-VNNI) all but Q5_0 and Q5_1 (it has no kernel for them: they stay row-major, read
 /// by its row-major kernel). Any other would read the layout block by block, rebuilt, slower
 /// than ggml's.
 pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
@@ -83,7 +83,12 @@ pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => has_layout(ty),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => matches!(
+        Isa::Avx2 | Isa::AvxVnni => matches!(
+            ty,
+            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+        ),
+        #[cfg(all(test, target_arch = "x86_64"))]
+        Isa::AvxVnniEvex => matches!(
             ty,
             QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
         ),

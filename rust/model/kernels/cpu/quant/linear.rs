@@ -30,6 +30,8 @@
 //! [`activation`]: super::activation
 
 use super::activation::{Act, ActBuf, ActFormat};
+#[cfg(target_arch = "x86_64")]
+use super::avx2_x16::Dot;
 use super::{unpack, QuantType, Unpacked};
 use crate::model::kernels::cpu::SendPtr;
 use rayon::prelude::*;
@@ -140,8 +142,15 @@ pub fn linear_quant_group(x: &[f32], n: usize, outs: &mut [QuantOut], scratch: &
 pub(super) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AVX2 whose 32-weight interleaved kernel sums its dot products with AVX-VNNI.
+    #[cfg(target_arch = "x86_64")]
+    AvxVnni,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// `AvxVnni`'s kernels through the EVEX form of `vpdpbusd` (AVX-512 VNNI on 256-bit
+    /// vectors): how the tests run that arithmetic on a CPU without AVX-VNNI.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    AvxVnniEvex,
     Scalar,
 }
 
@@ -152,6 +161,9 @@ impl Isa {
             let cpu = super::super::isa::cpu();
             if cpu.avx512_vnni {
                 return Isa::Avx512Vnni;
+            }
+            if cpu.avx_vnni {
+                return Isa::AvxVnni;
             }
             if cpu.avx2 {
                 return Isa::Avx2;
@@ -166,8 +178,15 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
-            if super::super::isa::cpu().avx2 {
+            let cpu = super::super::isa::cpu();
+            if cpu.avx2 {
                 v.push(Isa::Avx2);
+            }
+            if cpu.avx_vnni {
+                v.push(Isa::AvxVnni);
+            }
+            if cpu.avx2 && cpu.avx512_vnni {
+                v.push(Isa::AvxVnniEvex);
             }
             if Isa::detect() == Isa::Avx512Vnni {
                 v.push(Isa::Avx512Vnni);
@@ -388,10 +407,11 @@ pub(super) unsafe fn rows_dispatch(
                 _ => super::avx512_x16_b32::rows(w, r0, r1, act, out),
             },
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => match w.ty {
-                QuantType::Q4_K | QuantType::Q6_K => super::avx2_x16::rows(w, r0, r1, act, out),
-                _ => super::avx2_x16_b32::rows(w, r0, r1, act, out),
-            },
+            Isa::Avx2 => avx2_interleaved(w, r0, r1, act, out, Dot::Maddubs),
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => avx2_interleaved(w, r0, r1, act, out, Dot::AvxVnni),
+            #[cfg(all(test, target_arch = "x86_64"))]
+            Isa::AvxVnniEvex => avx2_interleaved(w, r0, r1, act, out, Dot::Avx512VnniYmm),
             Isa::Scalar => rows_scalar(w, r0, r1, act, out),
         }
         return;
@@ -400,11 +420,25 @@ pub(super) unsafe fn rows_dispatch(
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => super::avx512::rows(w, r0, r1, act, out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => super::avx2::rows(w, r0, r1, act, out),
+        Isa::Avx2 | Isa::AvxVnni => super::avx2::rows(w, r0, r1, act, out),
+        #[cfg(all(test, target_arch = "x86_64"))]
+        Isa::AvxVnniEvex => super::avx2::rows(w, r0, r1, act, out),
         Isa::Scalar => false,
     };
     if !done {
         rows_scalar(w, r0, r1, act, out);
+    }
+}
+
+/// The AVX2 kernels on the interleaved layout, their dot products summed by `dot`.
+///
+/// # Safety
+/// As [`rows_dispatch`], and the CPU has what `dot` needs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn avx2_interleaved(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out, dot: Dot) {
+    match w.ty {
+        QuantType::Q4_K | QuantType::Q6_K => super::avx2_x16::rows(w, r0, r1, act, out, dot),
+        _ => super::avx2_x16_b32::rows(w, r0, r1, act, out, dot),
     }
 }
 
@@ -835,8 +869,16 @@ mod timing {
             "scalar" => Isa::Scalar,
             #[cfg(target_arch = "x86_64")]
             "avx2" => Isa::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            "avx_vnni" => Isa::AvxVnni,
+            #[cfg(target_arch = "x86_64")]
+            "avx_vnni_evex" => Isa::AvxVnniEvex,
             _ => Isa::detect(),
         });
+        assert!(
+            Isa::available().contains(&isa),
+            "this CPU cannot run {isa:?}"
+        );
         println!("{isa:?}, {threads} threads");
         // QUANT_ONE="Q4_K n m k reps [copies]": one configuration only (for `perf stat`);
         // with `copies`, that many distinct matrices in turn, so the weights come from DRAM as
