@@ -10,6 +10,10 @@
 //! - Q4_K: a vector holds 8 levels per lane, low nibbles (4 weights) and high nibbles (the 4
 //!   weights 16 on). The high ones go in as `v & 0xF0` (16 times the level, still a byte): the
 //!   sum is then 16 times theirs, and one exact shift per sub-block takes it back.
+//! - Q5_K: Q4_K's record with each sub-block's 5th bits after its vectors, a byte per row and
+//!   vector; `vpshufb` puts a row's byte in all 4 bytes of its lane, `vptestmb` picks weight
+//!   j's bit in byte j, and a masked add puts 16 on those levels (the high nibbles go in
+//!   shifted down: 16 times a level up to 31 is no byte).
 //! - Q6_K: the level is a low nibble of `ql` with two bits of `qh` above it (one `vpternlogd`
 //!   merges them), and the -32 offset is taken with the activation sums of 16.
 //!
@@ -33,14 +37,20 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
         "interleaved rows start at a group"
     );
     match w.ty {
-        QuantType::Q4_K => drive::<true>(w, r0, r1, act, out),
-        QuantType::Q6_K => drive::<false>(w, r0, r1, act, out),
+        QuantType::Q4_K => drive::<K4>(w, r0, r1, act, out),
+        QuantType::Q5_K => drive::<K5>(w, r0, r1, act, out),
+        QuantType::Q6_K => drive::<K6>(w, r0, r1, act, out),
         ty => unreachable!("no interleaved kernel for {ty:?}"),
     }
 }
 
+// The types as const generic parameters.
+const K4: u8 = 4;
+const K5: u8 = 5;
+const K6: u8 = 6;
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
     let rb = w.ty.row_bytes(w.cols).expect("whole blocks");
     let mut r = r0;
     while r < r1 {
@@ -50,10 +60,10 @@ unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Ac
         while t < act.n {
             let vt = (act.n - t).min(4);
             match vt {
-                1 => tile::<Q4K, 1>(group, act, t, out, r, vr),
-                2 => tile::<Q4K, 2>(group, act, t, out, r, vr),
-                3 => tile::<Q4K, 3>(group, act, t, out, r, vr),
-                _ => tile::<Q4K, 4>(group, act, t, out, r, vr),
+                1 => tile::<TY, 1>(group, act, t, out, r, vr),
+                2 => tile::<TY, 2>(group, act, t, out, r, vr),
+                3 => tile::<TY, 3>(group, act, t, out, r, vr),
+                _ => tile::<TY, 4>(group, act, t, out, r, vr),
             }
             t += vt;
         }
@@ -64,7 +74,7 @@ unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Ac
 /// One group x tokens `t0 .. t0 + T`: the accumulators, then stored for the group's `vr` rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile<const Q4K: bool, const T: usize>(
+unsafe fn tile<const TY: u8, const T: usize>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -72,10 +82,10 @@ unsafe fn tile<const Q4K: bool, const T: usize>(
     r0: usize,
     vr: usize,
 ) {
-    let acc = if Q4K {
-        group_q4_k::<T>(group, act, t0)
-    } else {
-        group_q6_k::<T>(group, act, t0)
+    let acc = match TY {
+        K4 => group_q4_k::<false, T>(group, act, t0),
+        K5 => group_q4_k::<true, T>(group, act, t0),
+        _ => group_q6_k::<T>(group, act, t0),
     };
     store(&acc, out, t0, r0, vr);
 }
@@ -148,19 +158,32 @@ pub(super) unsafe fn rows_f16(p: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
 }
 
-/// A Q4_K group's 16 rows x `T` tokens, over all super-blocks.
+/// A Q4_K group's 16 rows x `T` tokens, over all super-blocks; `Q5`: a Q5_K group's (its
+/// levels' 5th bits from the record's `qh`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> [__m512; T] {
+unsafe fn group_q4_k<const Q5: bool, const T: usize>(
+    group: *const u8,
+    act: &Act,
+    t0: usize,
+) -> [__m512; T] {
     let (k, nb) = (act.k, act.nb);
     let xs: [*const i8; T] = std::array::from_fn(|t| act.qs.as_ptr().add((t0 + t) * k));
     let m63 = _mm512_set1_epi8(63);
     let m0f = _mm512_set1_epi8(15);
     let mf0 = _mm512_set1_epi8(-16);
     let m30 = _mm512_set1_epi8(0x30);
+    // Q5_K: a `vpshufb` index of dword `d`'s first byte in all its 4 bytes (plus kq: its
+    // byte kq), and the bits of weights j and 16 + j in byte j.
+    let dwords = _mm512_set4_epi32(0x0c0c_0c0c, 0x0808_0808, 0x0404_0404, 0);
+    let bit_lo = _mm512_set1_epi32(0x0804_0201);
+    let bit_hi = _mm512_set1_epi32(0x8040_2010_u32 as i32);
+    let m10 = _mm512_set1_epi8(16);
     let mut acc = [_mm512_setzero_ps(); T];
     for sb in 0..nb {
-        let p = group.add(sb * GROUP * 144);
+        let p = group.add(sb * GROUP * if Q5 { 176 } else { 144 });
+        // Where sub-block s's vectors start, after 256 bytes of scales (Q5_K: its qh after).
+        let stride = if Q5 { 320 } else { 256 };
         // The 6-bit scales and minimums of the 16 rows, byte [j][row] (ggml's get_scale_min_k4
         // on 16 rows at once): sc[0..4], mn[0..4], sc[4..8], mn[4..8].
         let a = _mm512_loadu_si512(p.add(64).cast());
@@ -197,9 +220,30 @@ unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
             let mn = rows_u8(mnv, s % 4);
             let mut lo = [_mm512_setzero_si512(); T];
             let mut hi = [_mm512_setzero_si512(); T];
+            // Q5_K: the 5th bits of sub-block s, a byte per row and vector.
+            let qh = if Q5 {
+                _mm512_loadu_si512(p.add(256 + 320 * s + 256).cast())
+            } else {
+                _mm512_setzero_si512()
+            };
             for kq in 0..4 {
-                let v = _mm512_loadu_si512(p.add(256 + 256 * s + 64 * kq).cast());
-                let (wl, wh) = (_mm512_and_si512(v, m0f), _mm512_and_si512(v, mf0));
+                let v = _mm512_loadu_si512(p.add(256 + stride * s + 64 * kq).cast());
+                let (wl, wh) = if Q5 {
+                    // Vector kq's byte of each lane in all 4 of its bytes; byte j takes bit j
+                    // (weight j's) and bit 4 + j (weight 16 + j's) as 16.
+                    let at = _mm512_add_epi8(dwords, _mm512_set1_epi8(kq as i8));
+                    let b = _mm512_shuffle_epi8(qh, at);
+                    let ml = _mm512_test_epi8_mask(b, bit_lo);
+                    let mh = _mm512_test_epi8_mask(b, bit_hi);
+                    let wl = _mm512_and_si512(v, m0f);
+                    let wh = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f);
+                    (
+                        _mm512_mask_add_epi8(wl, ml, wl, m10),
+                        _mm512_mask_add_epi8(wh, mh, wh, m10),
+                    )
+                } else {
+                    (_mm512_and_si512(v, m0f), _mm512_and_si512(v, mf0))
+                };
                 let off = 256 * sb + 32 * s + 4 * kq;
                 for t in 0..T {
                     lo[t] = _mm512_dpbusd_epi32(lo[t], wl, bcast(xs[t], off));
@@ -207,7 +251,12 @@ unsafe fn group_q4_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
                 }
             }
             for t in 0..T {
-                let dot = _mm512_add_epi32(lo[t], _mm512_srai_epi32::<4>(hi[t]));
+                // Q4_K's high nibbles went in as 16 times their levels (`v & 0xF0`).
+                let dot = if Q5 {
+                    _mm512_add_epi32(lo[t], hi[t])
+                } else {
+                    _mm512_add_epi32(lo[t], _mm512_srai_epi32::<4>(hi[t]))
+                };
                 i1[t] = _mm512_add_epi32(i1[t], _mm512_mullo_epi32(sc, dot));
                 let xsum = _mm512_set1_epi32(xsums[t]);
                 i2[t] = _mm512_add_epi32(i2[t], _mm512_mullo_epi32(mn, xsum));

@@ -1,4 +1,5 @@
-//! The interleaved layout of quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K):
+//! The interleaved layout of quantized matrices (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+//! Q6_K):
 //! the same blocks, the same bits per weight, stored so that a group of 16 rows is one
 //! sequential stream with its rows in vector lanes.
 //!
@@ -9,7 +10,7 @@
 //! record every field of the 16 blocks is laid out with row `i` in the 4-byte lane `i` of a
 //! 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes broadcast to
 //! all lanes then gives each row's sum in its own lane, with no reduction. The AVX-512 VNNI
-//! kernels that read it are [`super::avx512_x16`] (Q4_K, Q6_K) and [`super::avx512_x16_b32`]
+//! kernels that read it are [`super::avx512_x16`] (Q4_K, Q5_K, Q6_K) and [`super::avx512_x16_b32`]
 //! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the AVX2 ones,
 //! [`super::avx2_x16`] (Q4_K, Q6_K) and [`super::avx2_x16_b32`] (Q4_0, Q4_1, Q8_0), read each
 //! record's vectors as two halves of 8 rows (32 bytes, one 4-byte lane per row). The scalar
@@ -32,6 +33,11 @@
 //!       q[32s + 4k + j] (low nibble)              | q[16s + 8v + 4 + j] (high nibble);
 //!       | q[32s + 16 + 4k + j] (high)             qh at + 128: byte 4i + j holds the top
 //!                                                 2 bits of q[16s + 4t + j] at bits 2t
+//!
+//! Q5_K (2816 bytes): Q4_K's first 256 bytes, then sub-block s at 256 + 320s: Q4_K's qs
+//!       vectors of the levels' low 4 bits, then at + 256 its qh: byte 4i + k holds the 5th
+//!       bits of vector k's weights, bit j of q[32s + 4k + j], bit 4 + j of q[32s + 16 + 4k + j]
+//!       (next to its vectors: a record reads front to back)
 //!
 //! Q4_0 (288 bytes), Q4_1 (320 bytes)      Q8_0 (544 bytes)
 //!    0  d[16] (f16)                          0  d[16] (f16)
@@ -68,6 +74,7 @@ pub fn has_layout(ty: QuantType) -> bool {
             | QuantType::Q5_1
             | QuantType::Q8_0
             | QuantType::Q4_K
+            | QuantType::Q5_K
             | QuantType::Q6_K
     )
 }
@@ -150,6 +157,7 @@ pub fn interleave(ty: QuantType, src: &[u8], rows: usize, cols: usize, dst: &mut
                 });
                 match ty {
                     QuantType::Q4_K => record_q4_k(&blocks, rec),
+                    QuantType::Q5_K => record_q5_k(&blocks, rec),
                     QuantType::Q6_K => record_q6_k(&blocks, rec),
                     _ => record_b32(ty, &blocks, rec),
                 }
@@ -164,6 +172,7 @@ pub fn block_of(ty: QuantType, data: &[u8], cols: usize, r: usize, b: usize, out
     let i = r % GROUP;
     match ty {
         QuantType::Q4_K => block_q4_k(rec, i, out),
+        QuantType::Q5_K => block_q5_k(rec, i, out),
         QuantType::Q6_K => block_q6_k(rec, i, out),
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q8_0 => {
             block_b32(ty, rec, i, out)
@@ -269,45 +278,109 @@ fn levels_q6_k(blk: &[u8]) -> [u8; 256] {
     q
 }
 
-fn record_q4_k(blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
-    for (i, blk) in blocks.iter().enumerate() {
-        rec[2 * i..2 * i + 2].copy_from_slice(&blk[0..2]);
-        rec[32 + 2 * i..32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
-        for p in 0..12 {
-            rec[64 + 16 * p + i] = blk[4 + p];
+/// The 256 levels (0..31) of a Q5_K block: Q4_K's nibbles (at 48) with `qh`'s bits (at 16).
+fn levels_q5_k(blk: &[u8]) -> [u8; 256] {
+    let mut q = [0u8; 256];
+    for c in 0..4 {
+        for l in 0..32 {
+            let (v, h) = (blk[48 + 32 * c + l], blk[16 + l]);
+            q[64 * c + l] = (v & 15) | ((h >> (2 * c)) & 1) << 4;
+            q[64 * c + 32 + l] = (v >> 4) | ((h >> (2 * c + 1)) & 1) << 4;
         }
-        let q = levels_q4_k(blk);
-        for s in 0..8 {
-            for k in 0..4 {
-                for j in 0..4 {
-                    let w = 32 * s + 4 * k + j;
-                    rec[256 + 256 * s + 64 * k + 4 * i + j] = q[w] | q[w + 16] << 4;
-                }
+    }
+    q
+}
+
+/// Q4_K's and Q5_K's scale fields (`d`, `dmin`, the 12 scale bytes: the block's first 16
+/// bytes) and the levels' low 4 bits, row `i` of the record; a sub-block's vectors at
+/// `256 + stride * s` (Q4_K: 256, Q5_K: 320, its `qh` after them).
+fn record_k4_fields(blk: &[u8], q: &[u8; 256], i: usize, stride: usize, rec: &mut [u8]) {
+    rec[2 * i..2 * i + 2].copy_from_slice(&blk[0..2]);
+    rec[32 + 2 * i..32 + 2 * i + 2].copy_from_slice(&blk[2..4]);
+    for p in 0..12 {
+        rec[64 + 16 * p + i] = blk[4 + p];
+    }
+    for s in 0..8 {
+        for k in 0..4 {
+            for j in 0..4 {
+                let w = 32 * s + 4 * k + j;
+                rec[256 + stride * s + 64 * k + 4 * i + j] = (q[w] & 15) | (q[w + 16] & 15) << 4;
             }
         }
     }
 }
 
-fn block_q4_k(rec: &[u8], i: usize, out: &mut [u8]) {
+/// [`record_k4_fields`] read back: the first 16 bytes into `out`, the low 4 bits into `q`.
+fn block_k4_fields(rec: &[u8], i: usize, stride: usize, out: &mut [u8], q: &mut [u8; 256]) {
     out[0..2].copy_from_slice(&rec[2 * i..2 * i + 2]);
     out[2..4].copy_from_slice(&rec[32 + 2 * i..32 + 2 * i + 2]);
     for p in 0..12 {
         out[4 + p] = rec[64 + 16 * p + i];
     }
-    let mut q = [0u8; 256];
     for s in 0..8 {
         for k in 0..4 {
             for j in 0..4 {
                 let w = 32 * s + 4 * k + j;
-                let v = rec[256 + 256 * s + 64 * k + 4 * i + j];
+                let v = rec[256 + stride * s + 64 * k + 4 * i + j];
                 q[w] = v & 15;
                 q[w + 16] = v >> 4;
             }
         }
     }
+}
+
+fn record_q4_k(blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
+    for (i, blk) in blocks.iter().enumerate() {
+        record_k4_fields(blk, &levels_q4_k(blk), i, 256, rec);
+    }
+}
+
+fn block_q4_k(rec: &[u8], i: usize, out: &mut [u8]) {
+    let mut q = [0u8; 256];
+    block_k4_fields(rec, i, 256, out, &mut q);
     for c in 0..4 {
         for l in 0..32 {
             out[16 + 32 * c + l] = q[64 * c + l] | q[64 * c + 32 + l] << 4;
+        }
+    }
+}
+
+fn record_q5_k(blocks: &[&[u8]; GROUP], rec: &mut [u8]) {
+    for (i, blk) in blocks.iter().enumerate() {
+        let q = levels_q5_k(blk);
+        record_k4_fields(blk, &q, i, 320, rec);
+        for s in 0..8 {
+            for k in 0..4 {
+                let mut bits = 0u8;
+                for j in 0..4 {
+                    let w = 32 * s + 4 * k + j;
+                    bits |= (q[w] >> 4) << j | (q[w + 16] >> 4) << (4 + j);
+                }
+                rec[256 + 320 * s + 256 + 4 * i + k] = bits;
+            }
+        }
+    }
+}
+
+fn block_q5_k(rec: &[u8], i: usize, out: &mut [u8]) {
+    let mut q = [0u8; 256];
+    block_k4_fields(rec, i, 320, out, &mut q);
+    for s in 0..8 {
+        for k in 0..4 {
+            let bits = rec[256 + 320 * s + 256 + 4 * i + k];
+            for j in 0..4 {
+                let w = 32 * s + 4 * k + j;
+                q[w] |= ((bits >> j) & 1) << 4;
+                q[w + 16] |= ((bits >> (4 + j)) & 1) << 4;
+            }
+        }
+    }
+    out[16..48].fill(0);
+    for c in 0..4 {
+        for l in 0..32 {
+            let (lo, hi) = (q[64 * c + l], q[64 * c + 32 + l]);
+            out[48 + 32 * c + l] = (lo & 15) | (hi & 15) << 4;
+            out[16 + l] |= (lo >> 4) << (2 * c) | (hi >> 4) << (2 * c + 1);
         }
     }
 }
@@ -373,13 +446,14 @@ mod tests {
     use super::*;
     use crate::model::kernels::cpu::test_rng::Rng;
 
-    const TYPES: [QuantType; 7] = [
+    const TYPES: [QuantType; 8] = [
         QuantType::Q4_0,
         QuantType::Q4_1,
         QuantType::Q5_0,
         QuantType::Q5_1,
         QuantType::Q8_0,
         QuantType::Q4_K,
+        QuantType::Q5_K,
         QuantType::Q6_K,
     ];
 
@@ -389,7 +463,7 @@ mod tests {
     fn every_block_reads_back_as_it_was() {
         let mut rng = Rng(7);
         assert!(TYPES.into_iter().all(has_layout));
-        assert!(!has_layout(QuantType::Q5_K) && !has_layout(QuantType::IQ4_NL));
+        assert!(!has_layout(QuantType::Q3_K) && !has_layout(QuantType::IQ4_NL));
         for ty in TYPES {
             for &(rows, cols) in &[
                 (16usize, 256usize),
@@ -440,6 +514,20 @@ mod tests {
         );
         assert_eq!(dst[64 + 16 * 7 + 5], blk[4 + 7]);
         assert_eq!(dst[32 + 10..32 + 12], blk[2..4]);
+        // Q5_K: row 11, weight 32 * 6 + 4 * 2 + 1 = 201 is the low nibble of sub-block 6,
+        // vector 2, lane 11, byte 1; its 5th bit is bit 1 of qh byte 4 * 11 + 2 of sub-block 6,
+        // and weight 201 + 16's bit 5 there.
+        let ty = QuantType::Q5_K;
+        let src: Vec<u8> = (0..16 * 176).map(|_| rng.next_u() as u8).collect();
+        let mut dst = vec![0u8; interleaved_len(ty, 16, cols).unwrap()];
+        interleave(ty, &src, 16, cols, &mut dst);
+        let blk = &src[11 * 176..12 * 176];
+        let q = levels_q5_k(blk);
+        let lane = dst[256 + 320 * 6 + 64 * 2 + 4 * 11 + 1];
+        let bits = dst[256 + 320 * 6 + 256 + 4 * 11 + 2];
+        assert_eq!(lane & 15 | ((bits >> 1) & 1) << 4, q[201]);
+        assert_eq!(lane >> 4 | ((bits >> 5) & 1) << 4, q[217]);
+        assert_eq!(dst[64 + 16 * 3 + 11], blk[4 + 3]);
         // Q6_K: row 9, weight 16 * 3 + 4 * 2 + 1 = 57: low nibble of sub-block 3, vector 1,
         // lane 9, byte 1; its top bits at bits 4-5 of the qh byte.
         let ty = QuantType::Q6_K;

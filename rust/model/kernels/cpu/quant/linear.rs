@@ -53,7 +53,7 @@ pub enum Layout {
     /// ggml's: row after row, each a run of blocks (what GGUF files hold).
     Rows,
     /// [`super::interleave`]'s: groups of 16 rows, block by block (Q4_0, Q4_1, Q5_0, Q5_1,
-    /// Q8_0, Q4_K, Q6_K).
+    /// Q8_0, Q4_K, Q5_K, Q6_K).
     Interleaved,
 }
 
@@ -403,7 +403,9 @@ pub(super) unsafe fn rows_dispatch(
         match isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => match w.ty {
-                QuantType::Q4_K | QuantType::Q6_K => super::avx512_x16::rows(w, r0, r1, act, out),
+                QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => {
+                    super::avx512_x16::rows(w, r0, r1, act, out)
+                }
                 _ => super::avx512_x16_b32::rows(w, r0, r1, act, out),
             },
             #[cfg(target_arch = "x86_64")]
@@ -654,6 +656,7 @@ mod tests {
             QuantType::Q5_1,
             QuantType::Q8_0,
             QuantType::Q4_K,
+            QuantType::Q5_K,
             QuantType::Q6_K,
         ] {
             for &(n, m, k) in &[

@@ -8,8 +8,8 @@
 //! integer block dot) and its tests: [`legacy`] (the 32-weight blocks Q4_0 .. Q8_0), [`kquants`]
 //! (the 256-weight super-blocks Q2_K .. Q6_K), [`iq4`] (IQ4_NL, IQ4_XS). [`linear`] is the
 //! linear-layer kernel on quantized weights; [`activation`] the 8-bit activation rows it uses;
-//! [`interleave`] the layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q6_K matrices that the
-//! x86 kernels read fastest.
+//! [`interleave`] the layout of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K matrices that
+//! the x86 kernels read fastest.
 
 pub mod activation;
 #[cfg(target_arch = "x86_64")]
