@@ -62,38 +62,52 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
         r0.is_multiple_of(GROUP),
         "interleaved rows start at a group"
     );
-    match (dot, w.ty) {
-        (Dot::Maddubs, QuantType::Q4_K) => drive::<true>(w, r0, r1, act, out),
-        (Dot::AvxVnni, QuantType::Q4_K) => drive_vnni::<true>(w, r0, r1, act, out),
+    let ty = match w.ty {
+        QuantType::Q4_K => K4,
+        QuantType::Q5_K => K5,
+        QuantType::Q6_K => K6,
+        ty => unreachable!("no interleaved kernel for {ty:?}"),
+    };
+    match (dot, ty) {
+        (Dot::Maddubs, K4) => drive::<K4>(w, r0, r1, act, out),
+        (Dot::Maddubs, K5) => drive::<K5>(w, r0, r1, act, out),
+        (Dot::Maddubs, _) => drive::<K6>(w, r0, r1, act, out),
+        (Dot::AvxVnni, K4) => drive_vnni::<K4>(w, r0, r1, act, out),
+        (Dot::AvxVnni, K5) => drive_vnni::<K5>(w, r0, r1, act, out),
+        (Dot::AvxVnni, _) => drive_vnni::<K6>(w, r0, r1, act, out),
         #[cfg(test)]
-        (Dot::Avx512VnniYmm, QuantType::Q4_K) => drive_evex::<true>(w, r0, r1, act, out),
-        (Dot::Maddubs, QuantType::Q6_K) => drive::<false>(w, r0, r1, act, out),
-        (Dot::AvxVnni, QuantType::Q6_K) => drive_vnni::<false>(w, r0, r1, act, out),
+        (Dot::Avx512VnniYmm, K4) => drive_evex::<K4>(w, r0, r1, act, out),
         #[cfg(test)]
-        (Dot::Avx512VnniYmm, QuantType::Q6_K) => drive_evex::<false>(w, r0, r1, act, out),
-        (_, ty) => unreachable!("no interleaved kernel for {ty:?}"),
+        (Dot::Avx512VnniYmm, K5) => drive_evex::<K5>(w, r0, r1, act, out),
+        #[cfg(test)]
+        (Dot::Avx512VnniYmm, _) => drive_evex::<K6>(w, r0, r1, act, out),
     }
 }
 
+// The types as const generic parameters.
+const K4: u8 = 4;
+const K5: u8 = 5;
+const K6: u8 = 6;
+
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn drive<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
-    tiles::<Q4K, MADDUBS>(w, r0, r1, act, out)
+unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<TY, MADDUBS>(w, r0, r1, act, out)
 }
 
 #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-unsafe fn drive_vnni<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
-    tiles::<Q4K, AVX_VNNI>(w, r0, r1, act, out)
+unsafe fn drive_vnni<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<TY, AVX_VNNI>(w, r0, r1, act, out)
 }
 
 #[cfg(test)]
 #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-unsafe fn drive_evex<const Q4K: bool>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
-    tiles::<Q4K, AVX512_VNNI_YMM>(w, r0, r1, act, out)
+unsafe fn drive_evex<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+    tiles::<TY, AVX512_VNNI_YMM>(w, r0, r1, act, out)
 }
 
 /// The tiles of rows `r0..r1`; inlined into each `drive`, so compiled with its features.
 #[inline(always)]
-unsafe fn tiles<const Q4K: bool, const DOT: u8>(
+unsafe fn tiles<const TY: u8, const DOT: u8>(
     w: &QuantMatRef,
     r0: usize,
     r1: usize,
@@ -109,10 +123,10 @@ unsafe fn tiles<const Q4K: bool, const DOT: u8>(
         while t < act.n {
             let vt = (act.n - t).min(TILE_TOKENS);
             match vt {
-                1 => tile::<Q4K, DOT, 1>(group, act, t, out, r, vr),
-                2 => tile::<Q4K, DOT, 2>(group, act, t, out, r, vr),
-                3 => tile::<Q4K, DOT, 3>(group, act, t, out, r, vr),
-                _ => tile::<Q4K, DOT, 4>(group, act, t, out, r, vr),
+                1 => tile::<TY, DOT, 1>(group, act, t, out, r, vr),
+                2 => tile::<TY, DOT, 2>(group, act, t, out, r, vr),
+                3 => tile::<TY, DOT, 3>(group, act, t, out, r, vr),
+                _ => tile::<TY, DOT, 4>(group, act, t, out, r, vr),
             }
             t += vt;
         }
@@ -122,7 +136,7 @@ unsafe fn tiles<const Q4K: bool, const DOT: u8>(
 
 /// One group x tokens `t0 .. t0 + T`: the accumulators, then stored for the group's `vr` rows.
 #[inline(always)]
-unsafe fn tile<const Q4K: bool, const DOT: u8, const T: usize>(
+unsafe fn tile<const TY: u8, const DOT: u8, const T: usize>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -130,10 +144,10 @@ unsafe fn tile<const Q4K: bool, const DOT: u8, const T: usize>(
     r0: usize,
     vr: usize,
 ) {
-    let acc = if Q4K {
-        group_q4_k::<DOT, T>(group, act, t0)
-    } else {
-        group_q6_k::<DOT, T>(group, act, t0)
+    let acc = match TY {
+        K4 => group_q4_k::<false, DOT, T>(group, act, t0),
+        K5 => group_q4_k::<true, DOT, T>(group, act, t0),
+        _ => group_q6_k::<DOT, T>(group, act, t0),
     };
     store(&acc, out, t0, r0, vr);
 }
@@ -198,6 +212,45 @@ pub(super) unsafe fn rows_f16(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
 }
 
+/// Vector `kq` of a Q4_K / Q5_K sub-block, half at `v`: the levels of its low and its high
+/// nibbles (`Q5`: with their 5th bits from the half's `qh` bytes at `qh`, as 16).
+#[inline(always)]
+unsafe fn levels_k4<const Q5: bool>(v: *const u8, qh: *const u8, kq: usize) -> (__m256i, __m256i) {
+    let m0f = _mm256_set1_epi8(15);
+    let v = _mm256_loadu_si256(v.cast());
+    let wl = _mm256_and_si256(v, m0f);
+    let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+    if !Q5 {
+        return (wl, wh);
+    }
+    // Byte kq of each lane in all 4 of its bytes (`vpshufb` indexes within 128 bits), then
+    // byte j's bit j (weight j) and bit 4 + j (weight 16 + j), each as 16.
+    let dwords = _mm256_set_epi32(
+        0x0c0c_0c0c,
+        0x0808_0808,
+        0x0404_0404,
+        0,
+        0x0c0c_0c0c,
+        0x0808_0808,
+        0x0404_0404,
+        0,
+    );
+    let at = _mm256_add_epi8(dwords, _mm256_set1_epi8(kq as i8));
+    let b = _mm256_shuffle_epi8(_mm256_loadu_si256(qh.cast()), at);
+    // (No closure: it would not get the caller's target features.)
+    let (lo, hi) = (
+        _mm256_set1_epi32(0x0804_0201),
+        _mm256_set1_epi32(0x8040_2010_u32 as i32),
+    );
+    let lo = _mm256_cmpeq_epi8(_mm256_and_si256(b, lo), lo);
+    let hi = _mm256_cmpeq_epi8(_mm256_and_si256(b, hi), hi);
+    let m10 = _mm256_set1_epi8(16);
+    (
+        _mm256_or_si256(wl, _mm256_and_si256(lo, m10)),
+        _mm256_or_si256(wh, _mm256_and_si256(hi, m10)),
+    )
+}
+
 /// A Q6_K level: `lo`'s low nibble, with bits 4-5 from `hi`. (A function, not a closure:
 /// closures do not get their caller's target features.)
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -215,7 +268,7 @@ struct Bytes128([u8; 128]);
 /// loops: the register tile's accumulators are named by token and half.)
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn group_q4_k<const DOT: u8, const T: usize>(
+unsafe fn group_q4_k<const Q5: bool, const DOT: u8, const T: usize>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -230,7 +283,9 @@ unsafe fn group_q4_k<const DOT: u8, const T: usize>(
     let mut sc = Bytes128([0; 128]);
     let mut mn = Bytes128([0; 128]);
     for sb in 0..nb {
-        let p = group.add(sb * GROUP * 144);
+        let p = group.add(sb * GROUP * if Q5 { 176 } else { 144 });
+        // Where sub-block s's vectors start, after 256 bytes of scales (Q5_K: its qh after).
+        let stride = if Q5 { 320 } else { 256 };
         // The 6-bit scales and minimums (ggml's get_scale_min_k4 on 16 rows at once): byte
         // `16 s + i` of `sc` / `mn` is sub-block `s`'s of row `i`. The record holds byte `j` of
         // the 12 of row `i` at 64 + 16 j + i; each 32-byte piece is bytes j, j + 1 of 16 rows.
@@ -282,21 +337,22 @@ unsafe fn group_q4_k<const DOT: u8, const T: usize>(
         let mut i1 = [[_mm256_setzero_si256(); 2]; T];
         for s in 0..8 {
             // (A prefetch never faults: the address may lie past the data.)
-            for l in 0..4 {
-                let ahead = p.wrapping_add(256 + 256 * s + 64 * l + PREFETCH_BYTES);
+            for l in 0..stride / 64 {
+                let ahead = p.wrapping_add(256 + stride * s + 64 * l + PREFETCH_BYTES);
                 _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
             }
             let at = sc.0.as_ptr().add(16 * s);
+            // Q5_K: the 5th bits of sub-block s, a byte per row and vector (half h: 32 bytes).
+            let qh = p.add(256 + stride * s + 256);
             if DOT != MADDUBS {
                 // Per lane, the sub-block's 32 products summed in i32 by `vpdpbusd`, then
-                // times the scale (|sum| <= 32 * 15 * 127, times 63, over 8 sub-blocks: i32).
+                // times the scale (|sum| <= 32 * 31 * 127, times 63, over 8 sub-blocks: i32).
                 let mut dot = [[_mm256_setzero_si256(); 2]; T];
                 for kq in 0..4 {
                     let off = 256 * sb + 32 * s + 4 * kq;
                     for h in 0..2 {
-                        let v = _mm256_loadu_si256(p.add(256 + 256 * s + 64 * kq + 32 * h).cast());
-                        let wl = _mm256_and_si256(v, m0f);
-                        let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                        let v = p.add(256 + stride * s + 64 * kq + 32 * h);
+                        let (wl, wh) = levels_k4::<Q5>(v, qh.add(32 * h), kq);
                         for t in 0..T {
                             let lo = dpbusd::<DOT>(dot[t][h], wl, bcast(xs[t], off));
                             dot[t][h] = dpbusd::<DOT>(lo, wh, bcast(xs[t], off + 16));
@@ -314,7 +370,8 @@ unsafe fn group_q4_k<const DOT: u8, const T: usize>(
             }
             let scale = [pairs::<false>(at, at), pairs::<false>(at.add(8), at.add(8))];
             // Per lane, 8 products of levels <= 15 and |x| <= 127 per `vpmaddubsw` pair, 8
-            // pairs: |sum| <= 8 * 2 * 15 * 127 = 30480, inside i16.
+            // pairs: |sum| <= 8 * 2 * 15 * 127 = 30480, inside i16; Q5_K's levels <= 31 allow
+            // 4 pairs (31496), so its i16 sums go to i32 every two vectors.
             let mut d16 = [[_mm256_setzero_si256(); 2]; T];
             for kq in 0..4 {
                 let off = 256 * sb + 32 * s + 4 * kq;
@@ -325,20 +382,22 @@ unsafe fn group_q4_k<const DOT: u8, const T: usize>(
                     xh[t] = bcast(xs[t], off + 16);
                 }
                 for h in 0..2 {
-                    let v = _mm256_loadu_si256(p.add(256 + 256 * s + 64 * kq + 32 * h).cast());
-                    let wl = _mm256_and_si256(v, m0f);
-                    let wh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                    let v = p.add(256 + stride * s + 64 * kq + 32 * h);
+                    let (wl, wh) = levels_k4::<Q5>(v, qh.add(32 * h), kq);
                     for t in 0..T {
                         let lo = _mm256_maddubs_epi16(wl, xl[t]);
                         let hi = _mm256_maddubs_epi16(wh, xh[t]);
                         d16[t][h] = _mm256_add_epi16(d16[t][h], _mm256_add_epi16(lo, hi));
                     }
                 }
-            }
-            for t in 0..T {
-                for h in 0..2 {
-                    let d = _mm256_madd_epi16(d16[t][h], scale[h]);
-                    i1[t][h] = _mm256_add_epi32(i1[t][h], d);
+                if kq == 3 || (Q5 && kq == 1) {
+                    for t in 0..T {
+                        for h in 0..2 {
+                            let d = _mm256_madd_epi16(d16[t][h], scale[h]);
+                            i1[t][h] = _mm256_add_epi32(i1[t][h], d);
+                            d16[t][h] = _mm256_setzero_si256();
+                        }
+                    }
                 }
             }
         }

@@ -10,10 +10,10 @@
 //! record every field of the 16 blocks is laid out with row `i` in the 4-byte lane `i` of a
 //! 64-byte vector: an integer dot product (`vpdpbusd`) against 4 activation bytes broadcast to
 //! all lanes then gives each row's sum in its own lane, with no reduction. The AVX-512 VNNI
-//! kernels that read it are [`super::avx512_x16`] (Q4_K, Q5_K, Q6_K) and [`super::avx512_x16_b32`]
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the AVX2 ones,
-//! [`super::avx2_x16`] (Q4_K, Q6_K) and [`super::avx2_x16_b32`] (Q4_0, Q4_1, Q8_0), read each
-//! record's vectors as two halves of 8 rows (32 bytes, one 4-byte lane per row). The scalar
+//! kernels that read it are [`super::avx512_x16`] (Q4_K, Q5_K, Q6_K) and
+//! [`super::avx512_x16_b32`] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); the AVX2 ones,
+//! [`super::avx2_x16`] (Q4_K, Q5_K, Q6_K) and [`super::avx2_x16_b32`] (Q4_0, Q4_1, Q8_0), read
+//! each record's vectors as two halves of 8 rows (32 bytes, one 4-byte lane per row). The scalar
 //! path reads a block back in ggml's layout ([`block_of`]) and computes the same bits.
 //!
 //! A matrix whose row count is not a multiple of 16 is padded with zero rows (never stored to
@@ -80,9 +80,9 @@ pub fn has_layout(ty: QuantType) -> bool {
 }
 
 /// Whether `isa` has a kernel for `ty` interleaved. AVX-512 VNNI reads every type with a
-/// layout; AVX2 (with or without AVX-VNNI) all but Q5_0 and Q5_1 (it has no kernel for them: they stay row-major, read
-/// by its row-major kernel). Any other would read the layout block by block, rebuilt, slower
-/// than ggml's.
+/// layout; AVX2 (with or without AVX-VNNI) all but Q5_0 and Q5_1 (it has no kernel for them:
+/// they stay row-major, read by its row-major kernel). Any other would read the layout block
+/// by block, rebuilt, slower than ggml's.
 pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = ty;
@@ -90,17 +90,18 @@ pub(super) fn supported(ty: QuantType, isa: Isa) -> bool {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => has_layout(ty),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 | Isa::AvxVnni => matches!(
-            ty,
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
-        ),
+        Isa::Avx2 | Isa::AvxVnni => avx2_has_kernel(ty),
         #[cfg(all(test, target_arch = "x86_64"))]
-        Isa::AvxVnniEvex => matches!(
-            ty,
-            QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
-        ),
+        Isa::AvxVnniEvex => avx2_has_kernel(ty),
         Isa::Scalar => false,
     }
+}
+
+/// The types the AVX2 interleaved kernels read (with or without AVX-VNNI).
+#[cfg(target_arch = "x86_64")]
+fn avx2_has_kernel(ty: QuantType) -> bool {
+    use QuantType::*;
+    matches!(ty, Q4_0 | Q4_1 | Q8_0 | Q4_K | Q5_K | Q6_K)
 }
 
 /// Whether this CPU's kernels read `ty` interleaved (the matrices of `ty` are interleaved at

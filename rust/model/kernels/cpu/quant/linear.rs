@@ -439,7 +439,9 @@ pub(super) unsafe fn rows_dispatch(
 #[cfg(target_arch = "x86_64")]
 unsafe fn avx2_interleaved(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out, dot: Dot) {
     match w.ty {
-        QuantType::Q4_K | QuantType::Q6_K => super::avx2_x16::rows(w, r0, r1, act, out, dot),
+        QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K => {
+            super::avx2_x16::rows(w, r0, r1, act, out, dot)
+        }
         _ => super::avx2_x16_b32::rows(w, r0, r1, act, out, dot),
     }
 }
@@ -711,6 +713,53 @@ mod tests {
                     dequantized_row(&w, r, &mut row);
                     dequantized_row(&rows, r, &mut want_row);
                     assert_eq!(bits(&row), bits(&want_row), "{ty:?} row {r}");
+                }
+            }
+        }
+    }
+
+    /// The largest integer sums the kernels can meet: every level at its maximum (every byte
+    /// 0xFF, the f16 scales 1.0) against activations all at +127 or all at -127. A path whose
+    /// narrow (i16) sums could overflow gives other bits than the scalar path's here.
+    #[test]
+    fn interleaved_extreme_sums_equal_the_scalar_path() {
+        use super::super::interleave::{has_layout, interleave, interleaved_len};
+        let one = half::f16::from_f32(1.0).to_le_bytes();
+        let (m, k, n) = (32usize, 512usize, 5usize);
+        for ty in QuantType::ALL.into_iter().filter(|&t| has_layout(t)) {
+            let bb = ty.block_bytes();
+            let mut block = vec![0xFFu8; bb];
+            let f16_fields: &[usize] = match ty {
+                QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+                QuantType::Q6_K => &[208],
+                QuantType::Q4_1 | QuantType::Q5_1 => &[0, 2],
+                _ => &[0],
+            };
+            for &f in f16_fields {
+                block[f..f + 2].copy_from_slice(&one);
+            }
+            let data: Vec<u8> = block.repeat(m * k / ty.block_elems());
+            let rows = QuantMatRef {
+                ty,
+                layout: Layout::Rows,
+                data: &data,
+                rows: m,
+                cols: k,
+            };
+            let mut inter = vec![0u8; interleaved_len(ty, m, k).unwrap()];
+            interleave(ty, &data, m, k, &mut inter);
+            let w = QuantMatRef {
+                layout: Layout::Interleaved,
+                data: &inter,
+                ..rows
+            };
+            for sign in [1.0f32, -1.0] {
+                let x = vec![sign; n * k];
+                let want = run(Isa::Scalar, &x, n, rows, None);
+                check(&x, n, rows, None, &want);
+                for isa in Isa::available() {
+                    let got = run(isa, &x, n, w, None);
+                    assert_eq!(bits(&got), bits(&want), "{ty:?} {isa:?} x = {sign}");
                 }
             }
         }
