@@ -283,12 +283,7 @@ unsafe fn tile<const R: usize, const T: usize>(
     let body = k / 32 * 32;
     let mut c = 0;
     while c < body {
-        // Loops, not `array::from_fn`, for the vectors: a closure compiled out of line (as a
-        // change elsewhere in the crate can make it) would lose this function's features.
-        let mut xv = [load(toks[0].add(c)); T];
-        for (v, p) in xv.iter_mut().zip(&toks).skip(1) {
-            *v = load(p.add(c));
-        }
+        let xv: [__m512bh; T] = std::array::from_fn(|t| load(toks[t].add(c)));
         for (a, row) in acc.iter_mut().zip(&rows) {
             let wv = load(row.add(c));
             for (at, xt) in a.iter_mut().zip(&xv) {
@@ -300,10 +295,7 @@ unsafe fn tile<const R: usize, const T: usize>(
     if body < k {
         // The last partial chunk, zero-padded (0 * 0 pairs add nothing).
         let mask: __mmask32 = (1u32 << (k - body)) - 1;
-        let mut xv = [load_masked(toks[0].add(body), mask); T];
-        for (v, p) in xv.iter_mut().zip(&toks).skip(1) {
-            *v = load_masked(p.add(body), mask);
-        }
+        let xv: [__m512bh; T] = std::array::from_fn(|t| load_masked(toks[t].add(body), mask));
         for (a, row) in acc.iter_mut().zip(&rows) {
             let wv = load_masked(row.add(body), mask);
             for (at, xt) in a.iter_mut().zip(&xv) {
