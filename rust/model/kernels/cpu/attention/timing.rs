@@ -1,5 +1,5 @@
 use super::*;
-use std::time::Instant;
+use crate::model::kernels::cpu::test_rng::best_of;
 
 /// smollm's K/V shape (3 K/V heads of 64, blocks of 16): a cache of `ctx` keys in every
 /// format, and its block table (blocks in reverse order).
@@ -25,17 +25,6 @@ fn last_rows(ctx: usize, n: usize, tables: &[u32]) -> Vec<AttnRow> {
             table_len: tables.len() as u32,
         })
         .collect()
-}
-
-/// The best of `reps` timed calls of `f`, in seconds.
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
 }
 
 #[test]

@@ -1129,20 +1129,9 @@ mod tests {
 #[cfg(test)]
 mod timing {
     use super::*;
+    use crate::model::kernels::cpu::test_rng::best_of;
     use half::bf16;
     use std::time::Instant;
-
-    /// Best of `reps` runs: robust to other processes on a shared machine.
-    fn best(reps: usize, mut f: impl FnMut()) -> f64 {
-        f();
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min)
-    }
 
     #[test]
     #[ignore]
@@ -1169,10 +1158,10 @@ mod timing {
                     break;
                 }
                 let isa = Isa::detect();
-                let ts = best(reps, || {
+                let ts = best_of(reps, || {
                     linear_stream(isa, &x[..n * k], n, mat, None, &mut y[..n * m])
                 });
-                let tp = best(reps, || {
+                let tp = best_of(reps, || {
                     linear_panels(
                         isa,
                         &x[..n * k],
@@ -1222,11 +1211,11 @@ mod timing {
             let mut scratch = MatmulScratch::new(threads, k, 512);
             for &n in &[16usize, 32, 48, 64, 128, 512] {
                 let (xs, ys) = (&x[..n * k], &mut y[..n * m]);
-                let ts = best(20, || linear_stream(isa, xs, n, mat, None, ys));
-                let tp = best(20, || {
+                let ts = best_of(20, || linear_stream(isa, xs, n, mat, None, ys));
+                let tp = best_of(20, || {
                     linear_panels(isa, xs, n, mat, None, ys, &mut scratch)
                 });
-                let tf = best(20, || {
+                let tf = best_of(20, || {
                     linear_panels(isa, xs, n, matf, None, ys, &mut scratch)
                 });
                 let gf = |t: f64| (2 * n * m * k) as f64 / t / 1e9;
@@ -1340,10 +1329,10 @@ mod timing {
             let (mut tk, mut tr) = (f64::INFINITY, f64::INFINITY);
             let reps = if m > 10000 { 10 } else { 100 };
             for _ in 0..10 {
-                tk = tk.min(best(reps, || {
+                tk = tk.min(best_of(reps, || {
                     linear_stream(Isa::detect(), &x, 1, mat, None, &mut y)
                 }));
-                tr = tr.min(best(reps, || {
+                tr = tr.min(best_of(reps, || {
                     std::hint::black_box(read_all(&raw));
                 }));
             }

@@ -882,19 +882,8 @@ mod tests {
 #[cfg(test)]
 mod timing {
     use super::*;
+    use crate::model::kernels::cpu::test_rng::best_of;
     use std::time::Instant;
-
-    /// Best of `reps` runs: robust to other processes on a shared machine.
-    fn best(reps: usize, mut f: impl FnMut()) -> f64 {
-        f();
-        (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                f();
-                t.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min)
-    }
 
     /// Plain parallel read of the same bytes (the bandwidth ceiling).
     fn read_all(w: &[u8]) -> u64 {
@@ -986,10 +975,10 @@ mod timing {
                 )
             };
             let (t, tr) = if copies == 1 {
-                let t = best(reps, || run(0));
+                let t = best_of(reps, || run(0));
                 (
                     t,
-                    best(reps, || {
+                    best_of(reps, || {
                         std::hint::black_box(read_all(&data));
                     }),
                 )
@@ -1060,13 +1049,13 @@ mod timing {
                 };
                 let (mut t1, mut tr) = (f64::INFINITY, f64::INFINITY);
                 for _ in 0..5 {
-                    t1 = t1.min(best(20, || run(1)));
-                    tr = tr.min(best(20, || {
+                    t1 = t1.min(best_of(20, || run(1)));
+                    tr = tr.min(best_of(20, || {
                         std::hint::black_box(read_all(&data));
                     }));
                 }
-                let t8 = best(5, || run(8));
-                let t512 = best(2, || run(512));
+                let t8 = best_of(5, || run(8));
+                let t512 = best_of(2, || run(512));
                 let gb = |t: f64| data.len() as f64 / t / 1e9;
                 let gmac = |n: usize, t: f64| (n * m * k) as f64 / t / 1e9;
                 println!(
