@@ -116,7 +116,12 @@ fn argmax(x: &[f32]) -> u32 {
 /// Median GB/s of a parallel sum over a buffer of `bytes` (after one warm-up pass).
 pub fn read_bandwidth(bytes: usize) -> f64 {
     let n = bytes / 4;
-    let buf: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+    // On huge pages where the OS allows, as the weights the kernels read.
+    let mut buf = vec![0f32; n];
+    crate::model::huge_pages::advise(&buf);
+    buf.iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = (i % 7) as f32);
     let threads = rayon::current_num_threads().max(1);
     let chunk = n.div_ceil(threads * 8).max(4096);
     let mut rates = Vec::new();

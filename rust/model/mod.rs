@@ -4,6 +4,7 @@ pub mod chat_template;
 pub mod config;
 pub mod forward;
 pub mod gguf;
+pub mod huge_pages;
 pub mod kernels;
 pub mod testing;
 pub mod tokenizer;

@@ -14,6 +14,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use crate::error::{Result, StrataError};
+use crate::model::huge_pages;
 use crate::model::kernels::cpu::quant::{dequantize_row, quantize_row, QuantType};
 use crate::model::kernels::cpu::{MatRef, WeightData};
 
@@ -196,7 +197,7 @@ impl Tensor {
             // An owned (realigned) tensor: each part gets its own copy of its bytes.
             Some(_) => {
                 let bytes = &self.bytes()[offset..offset + len];
-                let mut words = vec![0u32; len.div_ceil(4)];
+                let mut words = huge_pages::zeroed_words(len.div_ceil(4));
                 // SAFETY: `words` holds at least `len` bytes; u8 has no alignment.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
@@ -238,7 +239,7 @@ impl Tensor {
         len: usize,
     ) -> Tensor {
         let owned = if !start.is_multiple_of(dtype.size()) {
-            let mut words = vec![0u32; len.div_ceil(4)];
+            let mut words = huge_pages::zeroed_words(len.div_ceil(4));
             // SAFETY: `words` holds at least `len` bytes; the caller checked start..start+len.
             unsafe {
                 std::ptr::copy_nonoverlapping(
@@ -269,7 +270,7 @@ impl Tensor {
         use rayon::prelude::*;
         let (rows, cols) = (self.shape[0], self.shape[1]);
         let row_bytes = ty.row_bytes(cols).expect("whole blocks");
-        let mut words = vec![0u32; (rows * row_bytes).div_ceil(4)];
+        let mut words = huge_pages::zeroed_words((rows * row_bytes).div_ceil(4));
         // SAFETY: `words` holds at least rows * row_bytes bytes, and u8 has no alignment.
         let out = unsafe {
             std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, rows * row_bytes)
@@ -319,7 +320,7 @@ impl Tensor {
             return None;
         }
         let len = interleaved_len(ty, rows, cols)?;
-        let mut words = vec![0u32; len.div_ceil(4)];
+        let mut words = huge_pages::zeroed_words(len.div_ceil(4));
         // SAFETY: `words` holds at least `len` bytes, and u8 has no alignment.
         let out = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) };
         interleave(ty, self.bytes(), rows, cols, out);
@@ -368,6 +369,7 @@ impl SafetensorsFiles {
         // SAFETY: the map is read-only; a model file changed underneath a running engine is
         // outside what any inference engine can defend against.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        crate::model::huge_pages::advise_map(&map);
         if map.len() < 8 {
             return Err(err(format!(
                 "truncated file: {} bytes, no header",

@@ -454,6 +454,7 @@ impl GgufModel {
         // SAFETY: the map is read-only; a model file changed underneath a running engine is
         // outside what any inference engine can defend against.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        crate::model::huge_pages::advise_map(&map);
         let mut r = Reader {
             buf: &map,
             pos: 0,
