@@ -30,7 +30,11 @@
 //! of drafts, a short new turn over a long history) run the segments in parallel (split-K, as
 //! in flash-decoding; a task is one segment of a block of rows) so that every thread has work;
 //! bigger batches run one task per (block of rows, K/V head) that walks its segments in order.
-//! All give the same bits.
+//! A batch whose row blocks all read their tiles in place runs split-K wherever its partial
+//! states fit the scratch, a task taking the segment for all of a block's K/V heads
+//! ([`task_heads`]): one head's share of a block is a slice of it (K) or short
+//! rows strided through it (V), and a task per head read the cache as scattered pieces. All
+//! give the same bits.
 
 #[cfg(target_arch = "x86_64")]
 mod in_place;
@@ -197,11 +201,14 @@ pub struct AttnRow {
 
 /// One split-K segment: keys `lo..=hi` (inside one segment of the grid) of the row block
 /// `t..t + n`, K/V head `g`; its rows' partial states go to `parts[at..at + n * slot]`.
+/// One split-K task: keys `lo..=hi` (inside one segment) of the row block `t..t + n`, K/V
+/// heads `g..g + gn`; its partial states at `at` in [`AttnScratch::parts`], `[head][row]`.
 #[derive(Clone, Copy, Debug, Default)]
 struct Segment {
     t: u32,
     n: u32,
     g: u32,
+    gn: u32,
     lo: u32,
     hi: u32,
     at: u32,
@@ -491,7 +498,7 @@ fn run<S: KvSource>(
 ) {
     let (hd, group) = (c.hd, c.group);
     plan_row_blocks(c, &mut scratch.blocks);
-    if split == Split::Auto && plan_segments(c, scratch) {
+    if split == Split::Auto && plan_segments(c, scratch, isa) {
         let slot = group * (hd + 2);
         let AttnScratch {
             segments, parts, ..
@@ -500,11 +507,11 @@ fn run<S: KvSource>(
         segments.par_iter().for_each(|s| {
             // SAFETY: plan_segments lays the segments' slices of `parts` end to end, inside it;
             // each task writes its own.
-            let p = unsafe { ptr.slice(s.at as usize, s.n as usize * slot) };
+            let p = unsafe { ptr.slice(s.at as usize, (s.gn * s.n) as usize * slot) };
             dispatch(isa, c, Task::Segment { seg: *s, parts: p });
         });
-        // Each row's segments merged in key order: those of one (row block, K/V head) are
-        // consecutive, in key order; a row skips those it does not reach.
+        // Each row's segments merged in key order: those of one (row block, span of K/V heads)
+        // are consecutive, in key order; a row skips those it does not reach.
         let part = |p: &[f32]| {
             let mut st = State::EMPTY;
             st.mx[..group].copy_from_slice(&p[group * hd..group * hd + group]);
@@ -519,17 +526,18 @@ fn run<S: KvSource>(
             while e < n && segments[e].t == s0.t && segments[e].g == s0.g {
                 e += 1;
             }
-            for r in 0..s0.n as usize {
-                let t = s0.t as usize + r;
+            let rows = s0.n as usize;
+            for (j, r) in (0..s0.gn as usize).flat_map(|j| (0..rows).map(move |r| (j, r))) {
+                let (t, g) = (s0.t as usize + r, s0.g as usize + j);
                 let (lo, hi) = visible(&c.rows[t], c.window);
-                let o = &mut out[(t * c.n_heads + s0.g as usize * group) * hd..][..group * hd];
+                let o = &mut out[(t * c.n_heads + g * group) * hd..][..group * hd];
                 let mut state: Option<State> = None;
                 for s in &segments[i..e] {
                     let (a, b) = segment(lo, hi, s.lo as usize / SEGMENT);
                     if a > b {
                         continue;
                     }
-                    let p = &parts[s.at as usize + r * slot..][..slot];
+                    let p = &parts[s.at as usize + (j * rows + r) * slot..][..slot];
                     match &mut state {
                         None => {
                             o.copy_from_slice(&p[..group * hd]);
@@ -583,11 +591,30 @@ fn plan_row_blocks<S>(c: &Ctx<S>, blocks: &mut Vec<(u32, u32)>) {
     }
 }
 
+/// K/V heads per split-K task for a row block of `n` rows on `isa`: all of them (as many as the
+/// rows leave room for in a task's arrays) where its rows read their tiles in place, else one.
+fn task_heads<S>(c: &Ctx<S>, isa: Isa, n: usize) -> usize {
+    let in_place = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => reads_in_place::<Avx512, S>(c, n),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => reads_in_place::<Avx2, S>(c, n),
+        Isa::Plain => false,
+    };
+    if in_place {
+        c.kvh.min(ROW_BLOCK / n.max(1)).max(1)
+    } else {
+        1
+    }
+}
+
 /// Fills `scratch.segments` with the split-K plan: every row block's (`scratch.blocks`, from
-/// [`plan_row_blocks`]) segments, per K/V head, in key order, and where each one's partial
-/// states go in `scratch.parts`. False when split-K does not pay (enough tasks already, or no
-/// block with two segments) or does not fit the scratch.
-fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
+/// [`plan_row_blocks`]) segments, per span of [`task_heads`] K/V heads, in key order, and
+/// where each one's partial states go in `scratch.parts`. False when split-K does not pay
+/// (enough tasks already, or no block with two segments, unless every block takes its heads
+/// together) or does not fit the scratch.
+fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch, isa: Isa) -> bool {
+    let heads = |n: usize| task_heads(c, isa, n);
     if c.rows.is_empty() || c.rows.len() > scratch.max_rows {
         return false;
     }
@@ -598,37 +625,44 @@ fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch) -> bool {
         blocks,
         ..
     } = scratch;
+    // Row blocks whose heads go together read their blocks of the cache whole, which pays
+    // even where the unsplit plan has enough tasks.
+    let together = blocks.iter().all(|&(_, n)| heads(n as usize) > 1);
     let tasks = blocks.len() * c.kvh;
-    if tasks >= TASKS_PER_THREAD * *threads {
+    if tasks >= TASKS_PER_THREAD * *threads && !together {
         return false;
     }
     let slot = c.group * (c.hd + 2);
-    let (mut total, mut floats) = (0, 0);
+    let (mut total, mut per_head, mut floats) = (0, 0, 0);
     for &(first, n) in blocks.iter() {
         let (lo, hi) = c.block_span(first as usize, n as usize);
-        let count = segment_range(lo, hi).count() * c.kvh;
-        total += count;
-        floats += count * n as usize * slot;
+        let count = segment_range(lo, hi).count();
+        per_head += count * c.kvh;
+        total += count * c.kvh.div_ceil(heads(n as usize));
+        floats += count * c.kvh * n as usize * slot;
     }
-    if total == tasks || floats > parts.len() || total > segments.capacity() {
+    if (per_head == tasks && !together) || floats > parts.len() || total > segments.capacity() {
         return false;
     }
     segments.clear();
     let mut at = 0;
     for &(first, n) in blocks.iter() {
         let (lo, hi) = c.block_span(first as usize, n as usize);
-        for g in 0..c.kvh {
+        let span = heads(n as usize);
+        for g in (0..c.kvh).step_by(span) {
+            let gn = span.min(c.kvh - g);
             for j in segment_range(lo, hi) {
                 let (a, b) = segment(lo, hi, j);
                 segments.push(Segment {
                     t: first,
                     n,
                     g: g as u32,
+                    gn: gn as u32,
                     lo: a as u32,
                     hi: b as u32,
                     at: at as u32,
                 });
-                at += n as usize * slot;
+                at += gn * n as usize * slot;
             }
         }
     }
@@ -1049,9 +1083,10 @@ fn transposed_queries<'b, W: Widen, S>(
 }
 
 /// One split-K segment (`seg`: keys inside one segment of the grid) of the row block
-/// `seg.t..seg.t + seg.n`, K/V head `seg.g`: each row's part of it (as `rows_task` cuts it),
-/// its unnormalised accumulators and state into its slot of `parts`; a row that does not
-/// reach the segment leaves its slot as it was (the merge skips it).
+/// `seg.t..seg.t + seg.n`, K/V heads `seg.g..seg.g + seg.gn`: each row's part of it (as
+/// `rows_task` cuts it), its unnormalised accumulators and state per head into its slot of
+/// `parts` (head-major); a row that does not reach the segment leaves its slots as they were
+/// (the merge skips them).
 #[inline(always)]
 fn segment_task<W: Widen, S: KvSource>(
     c: &Ctx<S>,
@@ -1061,7 +1096,14 @@ fn segment_task<W: Widen, S: KvSource>(
 ) {
     let (hd, group) = (c.hd, c.group);
     let (gh, slot) = (group * hd, group * (hd + 2));
-    let (first, n, g) = (seg.t as usize, seg.n as usize, seg.g as usize);
+    let (first, n, g, gn) = (
+        seg.t as usize,
+        seg.n as usize,
+        seg.g as usize,
+        seg.gn as usize,
+    );
+    // plan_segments keeps a task's (head, row) pairs within the arrays below.
+    debug_assert!(gn * n <= ROW_BLOCK);
     let j = seg.lo as usize / SEGMENT;
     let mut row_parts = [(1usize, 0usize); ROW_BLOCK];
     for (i, p) in row_parts.iter_mut().take(n).enumerate() {
@@ -1073,12 +1115,13 @@ fn segment_task<W: Widen, S: KvSource>(
     let mut states = [State::EMPTY; ROW_BLOCK];
     {
         let mut accs: [&mut [f32]; ROW_BLOCK] = std::array::from_fn(|_| Default::default());
-        for (i, (a, p)) in accs
+        for (k, (a, p)) in accs
             .iter_mut()
             .zip(parts.chunks_exact_mut(slot))
-            .take(n)
+            .take(gn * n)
             .enumerate()
         {
+            let i = k % n;
             if row_parts[i].0 <= row_parts[i].1 {
                 *a = &mut p[..gh];
                 a.fill(0.0);
@@ -1088,15 +1131,15 @@ fn segment_task<W: Widen, S: KvSource>(
             c,
             first,
             &row_parts[..n],
-            g,
+            (g, gn),
             (seg.lo as usize, seg.hi as usize),
-            &mut accs[..n],
-            &mut states[..n],
+            &mut accs[..gn * n],
+            &mut states[..gn * n],
             tile,
             qt,
         );
     }
-    for (p, st) in parts.chunks_exact_mut(slot).zip(&states).take(n) {
+    for (p, st) in parts.chunks_exact_mut(slot).zip(&states).take(gn * n) {
         p[gh..gh + group].copy_from_slice(&st.mx[..group]);
         p[gh + group..].copy_from_slice(&st.sum[..group]);
     }
@@ -1170,7 +1213,7 @@ fn rows_task<W: Widen, S: KvSource>(
                 c,
                 first,
                 &parts[..n],
-                g,
+                (g, 1),
                 seg_span,
                 &mut accs[..n],
                 &mut states[..n],
@@ -1197,10 +1240,11 @@ fn rows_task<W: Widen, S: KvSource>(
 }
 
 /// The keys `span` (inside one segment) for the rows `first + i` whose parts `parts[i]` of it
-/// are not empty, K/V head `g`: tile by tile, each row's softmax state (`states[i]`,
-/// accumulators `accs[i]`) updated over its own keys. Read in place where [`reads_in_place`]
-/// says so; else each tile is widened once for all the rows, and with `qt` (the rows' queries
-/// transposed, see `rows_task`) computed for 16 query lanes at a time by
+/// are not empty, K/V heads `heads.0..heads.0 + heads.1`: tile by tile, each row's softmax
+/// state (`states[j * n + i]`, accumulators `accs[j * n + i]` for head `heads.0 + j`) updated
+/// over its own keys. Read in place where [`reads_in_place`] says so (the only path that takes
+/// more than one head); else each tile is widened once for all the rows, and with `qt` (the
+/// rows' queries transposed, see `rows_task`) computed for 16 query lanes at a time by
 /// [`lanes_step_avx512`], without it row by row by [`tile_step`]: the same arithmetic per row.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -1208,7 +1252,7 @@ fn segment_pass<W: Widen, S: KvSource>(
     c: &Ctx<S>,
     first: usize,
     parts: &[(usize, usize)],
-    g: usize,
+    heads: (usize, usize),
     span: (usize, usize),
     accs: &mut [&mut [f32]],
     states: &mut [State],
@@ -1230,13 +1274,15 @@ fn segment_pass<W: Widen, S: KvSource>(
         // every row whose part is not empty.
         unsafe {
             if W::QUERY_LANES == LANES {
-                rows_in_place_avx512(c, first, parts, g, accs, states)
+                rows_in_place_avx512(c, first, parts, heads, accs, states)
             } else {
-                rows_in_place_avx2(c, first, parts, g, accs, states)
+                rows_in_place_avx2(c, first, parts, heads, accs, states)
             }
         };
         return;
     }
+    debug_assert_eq!(heads.1, 1, "more than one head off the in-place path");
+    let g = heads.0;
     let table = c.table(first);
     let geo = Geom { bs, kvh, hd };
     let kt = tile.kt.as_mut_ptr().cast::<f32>();

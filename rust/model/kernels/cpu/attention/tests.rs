@@ -256,7 +256,7 @@ fn run_dt(
                     window,
                 };
                 plan_row_blocks(&c, &mut scratch.blocks);
-                plan_segments(&c, &mut scratch)
+                plan_segments(&c, &mut scratch, isa)
             };
             splits += planned as usize;
             check(&split, &format!("{isa:?} split-K for {threads} threads"));
@@ -507,7 +507,7 @@ fn split_k_plans_cover_the_keys() {
     };
     let mut scratch = AttnScratch::new(4, 9, 64, 2);
     plan_row_blocks(&c, &mut scratch.blocks);
-    assert!(plan_segments(&c, &mut scratch));
+    assert!(plan_segments(&c, &mut scratch, Isa::Plain));
     // 6 tasks for 2 threads: the long row in its fixed segments of 128 keys (the last one
     // partial); the short one whole.
     let mut long: Vec<(u32, u32)> = (0..23).map(|j| (128 * j, 128 * j + 127)).collect();
@@ -534,7 +534,7 @@ fn split_k_plans_cover_the_keys() {
         ..c
     };
     plan_row_blocks(&c, &mut scratch.blocks);
-    assert!(plan_segments(&c, &mut scratch));
+    assert!(plan_segments(&c, &mut scratch, Isa::Plain));
     let segs: Vec<_> = scratch
         .segments
         .iter()
@@ -546,7 +546,7 @@ fn split_k_plans_cover_the_keys() {
     // Enough tasks already: no split.
     let mut scratch = AttnScratch::new(4, 9, 64, 1);
     plan_row_blocks(&c, &mut scratch.blocks);
-    assert!(!plan_segments(&c, &mut scratch));
+    assert!(!plan_segments(&c, &mut scratch, Isa::Plain));
     // A row block (a verification's 5 rows at 2995..=2999) is one task per K/V head unsplit:
     // split, each segment is a task for all 5 rows, their parts end to end in the scratch.
     let rows: Vec<AttnRow> = (2995..3000)
@@ -563,7 +563,7 @@ fn split_k_plans_cover_the_keys() {
     };
     let mut scratch = AttnScratch::new(5, 9, 64, 2);
     plan_row_blocks(&c, &mut scratch.blocks);
-    assert!(plan_segments(&c, &mut scratch));
+    assert!(plan_segments(&c, &mut scratch, Isa::Plain));
     assert_eq!(scratch.segments.len(), 3 * 24);
     let slot = 3 * (64 + 2);
     for (i, s) in scratch.segments.iter().enumerate() {
@@ -571,6 +571,45 @@ fn split_k_plans_cover_the_keys() {
         assert_eq!((s.lo, s.hi), long[i % 24]);
         assert_eq!(s.at as usize, i * 5 * slot);
     }
+    // Rows that read their tiles in place take all their K/V heads in one task (a segment
+    // reads its blocks whole), as many as fit ROW_BLOCK (head, row) pairs, even where the
+    // unsplit plan has enough tasks: the decode rows at 2999 and 99 on one thread.
+    let c = Ctx {
+        rows: &rows_pair(),
+        ..c
+    };
+    for isa in isas().into_iter().filter(|&i| i != Isa::Plain) {
+        let mut scratch = AttnScratch::new(4, 9, 64, 1);
+        plan_row_blocks(&c, &mut scratch.blocks);
+        assert!(plan_segments(&c, &mut scratch, isa), "{isa:?}");
+        // 24 segments of the long row, then the short row's one, 3 heads each.
+        assert_eq!(scratch.segments.len(), 25, "{isa:?}");
+        for (i, s) in scratch.segments.iter().enumerate() {
+            let (t, lohi) = if i < 24 { (0, long[i]) } else { (1, (0, 99)) };
+            assert_eq!((s.t, s.n, s.g, s.gn), (t, 1, 0, 3), "{isa:?} {i}");
+            assert_eq!((s.lo, s.hi), lohi, "{isa:?} {i}");
+            assert_eq!(s.at as usize, i * 3 * slot, "{isa:?} {i}");
+        }
+        // The verification's 5 rows: 3 heads of 5 rows fit 16 (head, row) pairs.
+        let c = Ctx { rows: &rows, ..c };
+        let mut scratch = AttnScratch::new(5, 9, 64, 2);
+        plan_row_blocks(&c, &mut scratch.blocks);
+        assert!(plan_segments(&c, &mut scratch, isa), "{isa:?}");
+        assert_eq!(scratch.segments.len(), 24, "{isa:?}");
+        for (i, s) in scratch.segments.iter().enumerate() {
+            assert_eq!((s.t, s.n, s.g, s.gn), (0, 5, 0, 3), "{isa:?} {i}");
+            assert_eq!(s.at as usize, i * 3 * 5 * slot, "{isa:?} {i}");
+        }
+    }
+}
+
+/// The decode rows of [`split_k_plans_cover_the_keys`]: positions 2999 and 99 of one table.
+fn rows_pair() -> [AttnRow; 2] {
+    [2999, 99].map(|pos| AttnRow {
+        pos,
+        table_start: 0,
+        table_len: 188,
+    })
 }
 
 /// A row's output is bitwise the same alone and in batches of 1 to 40 rows (decode rows of

@@ -159,3 +159,71 @@ fn timing_verification_rows() {
         );
     }
 }
+
+/// One decode row through 16 layers of a 1B llama's K/V (8 K/V heads of 64, 32 query heads,
+/// blocks of 16, f16) at `ATTN_CTX` keys (default 7,680): 16 distinct caches in turn, so K/V
+/// comes from DRAM as in a decode step, not from a cache that one layer left warm.
+/// `ATTN_SAME=1` reads the first layer's cache 16 times instead (from L2 at short contexts:
+/// the arithmetic alone).
+#[test]
+#[ignore]
+fn timing_decode_attention_from_memory() {
+    let ctx: usize = std::env::var("ATTN_CTX")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7680);
+    let (kvh, n_heads, hd, bs, layers) = (8usize, 32usize, 64usize, 16usize, 16usize);
+    let threads = rayon::current_num_threads();
+    let len = ctx * kvh * hd;
+    let caches: Vec<(Vec<f16>, Vec<f16>)> = (0..layers)
+        .map(|l| {
+            let k = (0..len)
+                .map(|i| f16::from_f32(((i + l) % 13) as f32 * 0.01 - 0.06))
+                .collect();
+            let v = (0..len)
+                .map(|i| f16::from_f32(((i + l) % 7) as f32 * 0.02 - 0.06))
+                .collect();
+            (k, v)
+        })
+        .collect();
+    let tables: Vec<u32> = (0..(ctx / bs) as u32).collect();
+    let rows = last_rows(ctx, 1, &tables);
+    let q = vec![0.1f32; n_heads * hd];
+    let mut out = vec![0.0f32; n_heads * hd];
+    let mut scratch = AttnScratch::new(1, n_heads, hd, threads);
+    let mut step = || {
+        let same = std::env::var("ATTN_SAME").is_ok();
+        for l in 0..layers {
+            let (k, v) = &caches[if same { 0 } else { l }];
+            let kv = KvLayer {
+                k: KvData::F16(k),
+                v: KvData::F16(v),
+                block_size: bs,
+                kv_heads: kvh,
+                head_dim: hd,
+            };
+            paged_attention(
+                &q,
+                &rows,
+                &tables,
+                &kv,
+                n_heads,
+                0.125,
+                None,
+                &mut out,
+                &mut scratch,
+            );
+        }
+    };
+    let mut rounds: Vec<f64> = (0..7).map(|_| best_of(5, &mut step)).collect();
+    rounds.sort_by(f64::total_cmp);
+    let bytes = (layers * 2 * len * 2) as f64;
+    println!(
+        "decode attention, 16 layers of 1B K/V at ctx {ctx} (f16, {:.0} MB): {:.2} ms (median of \
+         rounds {:.2} ms), {:.1} GB/s of K/V",
+        bytes / 1e6,
+        rounds[0] * 1e3,
+        rounds[rounds.len() / 2] * 1e3,
+        bytes / rounds[rounds.len() / 2] / 1e9
+    );
+}
