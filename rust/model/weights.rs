@@ -14,7 +14,7 @@ use memmap2::Mmap;
 use serde_json::Value;
 
 use crate::error::{Result, StrataError};
-use crate::model::huge_pages;
+use crate::model::huge_pages::OwnedBytes;
 use crate::model::kernels::cpu::quant::{dequantize_row, quantize_row, QuantType};
 use crate::model::kernels::cpu::{MatRef, WeightData};
 
@@ -88,7 +88,7 @@ pub struct Tensor {
     len: usize,
     /// Owned bytes, used instead of the map's: an aligned copy when the file offset is not
     /// aligned for the dtype, the blocks of a tensor quantized at load, or interleaved ones.
-    owned: Option<Arc<Vec<u32>>>,
+    owned: Option<Arc<OwnedBytes>>,
     /// Whether the owned blocks are in the interleaved layout (`quant::interleave`).
     interleaved: bool,
 }
@@ -96,9 +96,8 @@ pub struct Tensor {
 impl Tensor {
     /// The stored bytes, in the file's dtype (a GPU backend uploads them as they are).
     pub fn bytes(&self) -> &[u8] {
-        if let Some(words) = &self.owned {
-            // SAFETY: a Vec<u32> is 4-aligned and holds at least `len` initialized bytes.
-            return unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u8, self.len) };
+        if let Some(owned) = &self.owned {
+            return owned.bytes();
         }
         &self.map[self.start..self.start + self.len]
     }
@@ -196,17 +195,11 @@ impl Tensor {
             None => (self.start + offset, None),
             // An owned (realigned) tensor: each part gets its own copy of its bytes.
             Some(_) => {
-                let bytes = &self.bytes()[offset..offset + len];
-                let mut words = huge_pages::zeroed_words(len.div_ceil(4));
-                // SAFETY: `words` holds at least `len` bytes; u8 has no alignment.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        words.as_mut_ptr() as *mut u8,
-                        len,
-                    )
-                };
-                (0, Some(Arc::new(words)))
+                let mut owned = OwnedBytes::zeroed(len);
+                owned
+                    .bytes_mut()
+                    .copy_from_slice(&self.bytes()[offset..offset + len]);
+                (0, Some(Arc::new(owned)))
             }
         };
         Tensor {
@@ -239,16 +232,10 @@ impl Tensor {
         len: usize,
     ) -> Tensor {
         let owned = if !start.is_multiple_of(dtype.size()) {
-            let mut words = huge_pages::zeroed_words(len.div_ceil(4));
-            // SAFETY: `words` holds at least `len` bytes; the caller checked start..start+len.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    map[start..].as_ptr(),
-                    words.as_mut_ptr() as *mut u8,
-                    len,
-                )
-            };
-            Some(Arc::new(words))
+            // The caller checked start..start + len.
+            let mut owned = OwnedBytes::zeroed(len);
+            owned.bytes_mut().copy_from_slice(&map[start..start + len]);
+            Some(Arc::new(owned))
         } else {
             None
         };
@@ -270,11 +257,8 @@ impl Tensor {
         use rayon::prelude::*;
         let (rows, cols) = (self.shape[0], self.shape[1]);
         let row_bytes = ty.row_bytes(cols).expect("whole blocks");
-        let mut words = huge_pages::zeroed_words((rows * row_bytes).div_ceil(4));
-        // SAFETY: `words` holds at least rows * row_bytes bytes, and u8 has no alignment.
-        let out = unsafe {
-            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, rows * row_bytes)
-        };
+        let mut owned = OwnedBytes::zeroed(rows * row_bytes);
+        let out = owned.bytes_mut();
         let data = self.data();
         out.par_chunks_mut(row_bytes).enumerate().for_each_init(
             || vec![0f32; cols],
@@ -303,7 +287,7 @@ impl Tensor {
             shape: self.shape.clone(),
             start: 0,
             len: rows * row_bytes,
-            owned: Some(Arc::new(words)),
+            owned: Some(Arc::new(owned)),
             interleaved: false,
         }
     }
@@ -320,17 +304,15 @@ impl Tensor {
             return None;
         }
         let len = interleaved_len(ty, rows, cols)?;
-        let mut words = huge_pages::zeroed_words(len.div_ceil(4));
-        // SAFETY: `words` holds at least `len` bytes, and u8 has no alignment.
-        let out = unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) };
-        interleave(ty, self.bytes(), rows, cols, out);
+        let mut owned = OwnedBytes::zeroed(len);
+        interleave(ty, self.bytes(), rows, cols, owned.bytes_mut());
         Some(Tensor {
             map: self.map.clone(),
             dtype: self.dtype,
             shape: self.shape.clone(),
             start: 0,
             len,
-            owned: Some(Arc::new(words)),
+            owned: Some(Arc::new(owned)),
             interleaved: true,
         })
     }

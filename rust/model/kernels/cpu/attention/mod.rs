@@ -609,7 +609,8 @@ fn task_heads<S>(c: &Ctx<S>, isa: Isa, n: usize) -> usize {
 }
 
 /// Fills `scratch.segments` with the split-K plan: every row block's (`scratch.blocks`, from
-/// [`plan_row_blocks`]) segments, per span of [`task_heads`] K/V heads, in key order, and
+/// [`plan_row_blocks`]) segments, per span of [`task_heads`] K/V heads (fewer where the
+/// segments are too few to give every thread [`TASKS_PER_THREAD`] tasks), in key order, and
 /// where each one's partial states go in `scratch.parts`. False when split-K does not pay
 /// (enough tasks already, or no block with two segments, unless every block takes its heads
 /// together) or does not fit the scratch.
@@ -633,12 +634,20 @@ fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch, isa: Isa) -> bool {
         return false;
     }
     let slot = c.group * (c.hd + 2);
+    let seg_count = |first: u32, n: u32| {
+        let (lo, hi) = c.block_span(first as usize, n as usize);
+        segment_range(lo, hi).count()
+    };
+    // Heads per task at most what leaves TASKS_PER_THREAD tasks per thread: a short context's
+    // few segments would otherwise leave a thread idle.
+    let all: usize = blocks.iter().map(|&(first, n)| seg_count(first, n)).sum();
+    let cap = (c.kvh * all / (TASKS_PER_THREAD * *threads)).max(1);
+    let span = |n: u32| heads(n as usize).min(cap);
     let (mut total, mut per_head, mut floats) = (0, 0, 0);
     for &(first, n) in blocks.iter() {
-        let (lo, hi) = c.block_span(first as usize, n as usize);
-        let count = segment_range(lo, hi).count();
+        let count = seg_count(first, n);
         per_head += count * c.kvh;
-        total += count * c.kvh.div_ceil(heads(n as usize));
+        total += count * c.kvh.div_ceil(span(n));
         floats += count * c.kvh * n as usize * slot;
     }
     if (per_head == tasks && !together) || floats > parts.len() || total > segments.capacity() {
@@ -648,7 +657,7 @@ fn plan_segments<S>(c: &Ctx<S>, scratch: &mut AttnScratch, isa: Isa) -> bool {
     let mut at = 0;
     for &(first, n) in blocks.iter() {
         let (lo, hi) = c.block_span(first as usize, n as usize);
-        let span = heads(n as usize);
+        let span = span(n);
         for g in (0..c.kvh).step_by(span) {
             let gn = span.min(c.kvh - g);
             for j in segment_range(lo, hi) {

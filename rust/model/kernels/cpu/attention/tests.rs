@@ -600,6 +600,20 @@ fn split_k_plans_cover_the_keys() {
             assert_eq!((s.t, s.n, s.g, s.gn), (0, 5, 0, 3), "{isa:?} {i}");
             assert_eq!(s.at as usize, i * 3 * 5 * slot, "{isa:?} {i}");
         }
+        // A decode row at 200 keys has 2 segments: one head per task, so that 2 threads get 6
+        // tasks, not 2.
+        let row = [AttnRow {
+            pos: 199,
+            table_start: 0,
+            table_len: 188,
+        }];
+        let c = Ctx { rows: &row, ..c };
+        let mut scratch = AttnScratch::new(1, 9, 64, 2);
+        plan_row_blocks(&c, &mut scratch.blocks);
+        assert!(plan_segments(&c, &mut scratch, isa), "{isa:?}");
+        let plan: Vec<_> = scratch.segments.iter().map(|s| (s.g, s.gn, s.lo)).collect();
+        let want: Vec<_> = (0..3).flat_map(|g| [(g, 1, 0), (g, 1, 128)]).collect();
+        assert_eq!(plan, want, "{isa:?}");
     }
 }
 
