@@ -116,9 +116,12 @@ fn argmax(x: &[f32]) -> u32 {
 /// Median GB/s of a parallel sum over a buffer of `bytes` (after one warm-up pass).
 pub fn read_bandwidth(bytes: usize) -> f64 {
     let n = bytes / 4;
-    // On huge pages where the OS allows, as the weights the kernels read.
-    let mut buf = vec![0f32; n];
-    crate::model::huge_pages::advise(&buf);
+    // On huge pages where the OS allows, as the weights the kernels read (the same owner).
+    let mut owned = crate::model::huge_pages::OwnedBytes::zeroed(n * 4);
+    // SAFETY: any bit pattern is an f32, and the bytes start 4-aligned (a map at a 2 MiB
+    // boundary or a vector of words), so all of them are in the middle slice.
+    let (_, buf, _) = unsafe { owned.bytes_mut().align_to_mut::<f32>() };
+    debug_assert_eq!(buf.len(), n);
     buf.iter_mut()
         .enumerate()
         .for_each(|(i, v)| *v = (i % 7) as f32);

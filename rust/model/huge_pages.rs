@@ -83,7 +83,7 @@ impl OwnedBytes {
 }
 
 /// Advises the whole 2 MiB pages inside `buf` onto huge pages; only pages not backed yet move.
-pub fn advise<T>(buf: &[T]) {
+fn advise<T>(buf: &[T]) {
     let (start, len) = (buf.as_ptr() as usize, std::mem::size_of_val(buf));
     let (first, end) = (start.next_multiple_of(HUGE), start + len);
     if end < first + HUGE {
