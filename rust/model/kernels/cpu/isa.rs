@@ -18,6 +18,9 @@ pub struct CpuLevels {
     pub avx512_vnni: bool,
     /// `avx512` and AVX-512 BF16 (`vdpbf16ps`).
     pub avx512_bf16: bool,
+    /// The vendor is Intel (`GenuineIntel`): for a kernel whose best form was measured to
+    /// differ between Intel's cores and AMD's. Not a level: [`CpuLevels::names`] leaves it out.
+    pub intel: bool,
 }
 
 impl CpuLevels {
@@ -60,7 +63,23 @@ fn detect() -> CpuLevels {
         avx512,
         avx512_vnni: avx512 && is_x86_feature_detected!("avx512vnni"),
         avx512_bf16: avx512 && is_x86_feature_detected!("avx512bf16"),
+        intel: vendor() == *b"GenuineIntel",
     }
+}
+
+/// The CPU's vendor string (CPUID leaf 0: EBX, EDX, ECX).
+#[cfg(target_arch = "x86_64")]
+fn vendor() -> [u8; 12] {
+    // `__cpuid` is a safe function in newer Rust and unsafe in the oldest this crate builds
+    // with (1.89).
+    #[allow(unused_unsafe)]
+    // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+    let r = unsafe { std::arch::x86_64::__cpuid(0) };
+    let mut v = [0u8; 12];
+    for (i, word) in [r.ebx, r.edx, r.ecx].into_iter().enumerate() {
+        v[4 * i..4 * i + 4].copy_from_slice(&word.to_le_bytes());
+    }
+    v
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -71,6 +90,7 @@ fn detect() -> CpuLevels {
         avx512: false,
         avx512_vnni: false,
         avx512_bf16: false,
+        intel: false,
     }
 }
 
@@ -102,5 +122,19 @@ mod tests {
                 .filter(|&&x| x)
                 .count()
         );
+    }
+
+    /// The vendor read by CPUID is the one the kernel reports.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn intel_is_the_vendor_linux_reports() {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+        let vendor = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("vendor_id"))
+            .and_then(|l| l.split(':').nth(1))
+            .map(str::trim)
+            .expect("a vendor_id line");
+        assert_eq!(cpu().intel, vendor == "GenuineIntel", "vendor_id {vendor}");
     }
 }

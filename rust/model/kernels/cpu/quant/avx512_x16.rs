@@ -21,6 +21,7 @@
 //! from memory (as one stream) and from cache for the next token tiles.
 
 use super::activation::Act;
+use super::avx2_x16::PREFETCH_BYTES;
 use super::interleave::GROUP;
 use super::linear::{Out, QuantMatRef};
 use super::QuantType;
@@ -36,11 +37,16 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
         r0.is_multiple_of(GROUP),
         "interleaved rows start at a group"
     );
-    match w.ty {
-        QuantType::Q4_K => drive::<K4>(w, r0, r1, act, out),
-        QuantType::Q5_K => drive::<K5>(w, r0, r1, act, out),
-        QuantType::Q6_K => drive::<K6>(w, r0, r1, act, out),
-        ty => unreachable!("no interleaved kernel for {ty:?}"),
+    // Software prefetch of the group's stream on Intel's cores only: there it read the
+    // weights from DRAM faster, on AMD's Zen 4 slower (docs/benchmarks.md, "Intel").
+    match (w.ty, super::super::isa::cpu().intel) {
+        (QuantType::Q4_K, false) => drive::<K4, false>(w, r0, r1, act, out),
+        (QuantType::Q5_K, false) => drive::<K5, false>(w, r0, r1, act, out),
+        (QuantType::Q6_K, false) => drive::<K6, false>(w, r0, r1, act, out),
+        (QuantType::Q4_K, true) => drive::<K4, true>(w, r0, r1, act, out),
+        (QuantType::Q5_K, true) => drive::<K5, true>(w, r0, r1, act, out),
+        (QuantType::Q6_K, true) => drive::<K6, true>(w, r0, r1, act, out),
+        (ty, _) => unreachable!("no interleaved kernel for {ty:?}"),
     }
 }
 
@@ -50,7 +56,13 @@ const K5: u8 = 5;
 const K6: u8 = 6;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out: Out) {
+unsafe fn drive<const TY: u8, const PF: bool>(
+    w: &QuantMatRef,
+    r0: usize,
+    r1: usize,
+    act: &Act,
+    out: Out,
+) {
     let rb = w.ty.row_bytes(w.cols).expect("whole blocks");
     let mut r = r0;
     while r < r1 {
@@ -60,10 +72,10 @@ unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, 
         while t < act.n {
             let vt = (act.n - t).min(4);
             match vt {
-                1 => tile::<TY, 1>(group, act, t, out, r, vr),
-                2 => tile::<TY, 2>(group, act, t, out, r, vr),
-                3 => tile::<TY, 3>(group, act, t, out, r, vr),
-                _ => tile::<TY, 4>(group, act, t, out, r, vr),
+                1 => tile::<TY, 1, PF>(group, act, t, out, r, vr),
+                2 => tile::<TY, 2, PF>(group, act, t, out, r, vr),
+                3 => tile::<TY, 3, PF>(group, act, t, out, r, vr),
+                _ => tile::<TY, 4, PF>(group, act, t, out, r, vr),
             }
             t += vt;
         }
@@ -74,7 +86,7 @@ unsafe fn drive<const TY: u8>(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, 
 /// One group x tokens `t0 .. t0 + T`: the accumulators, then stored for the group's `vr` rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile<const TY: u8, const T: usize>(
+unsafe fn tile<const TY: u8, const T: usize, const PF: bool>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -83,9 +95,9 @@ unsafe fn tile<const TY: u8, const T: usize>(
     vr: usize,
 ) {
     let acc = match TY {
-        K4 => group_q4_k::<false, T>(group, act, t0),
-        K5 => group_q4_k::<true, T>(group, act, t0),
-        _ => group_q6_k::<T>(group, act, t0),
+        K4 => group_q4_k::<false, T, PF>(group, act, t0),
+        K5 => group_q4_k::<true, T, PF>(group, act, t0),
+        _ => group_q6_k::<T, PF>(group, act, t0),
     };
     store(&acc, out, t0, r0, vr);
 }
@@ -159,10 +171,11 @@ pub(super) unsafe fn rows_f16(p: *const u8) -> __m512 {
 }
 
 /// A Q4_K group's 16 rows x `T` tokens, over all super-blocks; `Q5`: a Q5_K group's (its
-/// levels' 5th bits from the record's `qh`).
+/// levels' 5th bits from the record's `qh`). `PF`: prefetch the stream [`PREFETCH_BYTES`]
+/// ahead.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn group_q4_k<const Q5: bool, const T: usize>(
+unsafe fn group_q4_k<const Q5: bool, const T: usize, const PF: bool>(
     group: *const u8,
     act: &Act,
     t0: usize,
@@ -211,6 +224,11 @@ unsafe fn group_q4_k<const Q5: bool, const T: usize>(
         let mut i1 = [_mm512_setzero_si512(); T];
         let mut i2 = [_mm512_setzero_si512(); T];
         for (s, xsums) in bs32.iter().enumerate() {
+            // (A prefetch never faults: the address may lie past the data.)
+            for l in 0..if PF { stride / 64 } else { 0 } {
+                let ahead = p.wrapping_add(256 + stride * s + 64 * l + PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
             let (scv, mnv) = if s < 4 {
                 (sc_lo, mn_lo)
             } else {
@@ -276,10 +294,14 @@ unsafe fn group_q4_k<const Q5: bool, const T: usize>(
     acc
 }
 
-/// A Q6_K group's 16 rows x `T` tokens, over all super-blocks.
+/// A Q6_K group's 16 rows x `T` tokens, over all super-blocks (`PF` as in [`group_q4_k`]).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> [__m512; T] {
+unsafe fn group_q6_k<const T: usize, const PF: bool>(
+    group: *const u8,
+    act: &Act,
+    t0: usize,
+) -> [__m512; T] {
     let (k, nb) = (act.k, act.nb);
     let xs: [*const i8; T] = std::array::from_fn(|t| act.qs.as_ptr().add((t0 + t) * k));
     let m0f = _mm512_set1_epi8(15);
@@ -289,6 +311,10 @@ unsafe fn group_q6_k<const T: usize>(group: *const u8, act: &Act, t0: usize) -> 
         let p = group.add(sb * GROUP * 210);
         let mut i1 = [_mm512_setzero_si512(); T];
         for s in 0..16 {
+            for l in 0..if PF { 3 } else { 0 } {
+                let ahead = p.wrapping_add(288 + 192 * s + 64 * l + PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
+            }
             let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(32 + 16 * s).cast()));
             let sub = p.add(288 + 192 * s);
             let ql0 = _mm512_loadu_si512(sub.cast());
