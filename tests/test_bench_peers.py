@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from strata_rs import Engine
 from strata_rs.bench.compare import CompareSpec, format_table, run_compare, write_plot
+from strata_rs.bench.peer_llama_cpp import NO_AMX_CMAKE_ARGS, amx_warning
 from strata_rs.bench.peers import (
     INSTALL,
     bench_token_ids,
@@ -110,6 +111,23 @@ def test_missing_reports_the_import_error_through_the_given_importer() -> None:
         "skipping transformers: not installed (No module named 'torch'); "
         "install it with: pip install 'strata-rs[bench-transformers]'"
     )
+
+
+def test_llama_cpp_with_amx_gets_a_warning_with_the_rebuild_command() -> None:
+    # Lines of `llama_print_system_info()` from this project's machines: the default build on
+    # an Intel Xeon with AMX, and the same CPU's build without it.
+    with_amx = "CPU : AVX2 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+    without = "CPU : AVX2 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | OPENMP = 1 | REPACK = 1 | "
+    assert amx_warning(without) is None
+    warning = amx_warning(with_amx)
+    assert warning is not None
+    assert warning.startswith(
+        "warning: llama.cpp uses AMX here (AMX_INT8 = 1), whose kernels crash with a "
+        "segmentation fault on some machines (llama.cpp issue 20824)."
+    )
+    assert f'CMAKE_ARGS="{NO_AMX_CMAKE_ARGS}" pip install --force-reinstall' in warning
+    assert "-DGGML_NATIVE=OFF" in NO_AMX_CMAKE_ARGS
+    assert "AMX" not in NO_AMX_CMAKE_ARGS
 
 
 # -- the prompts ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,30 @@ from typing import Any
 import numpy as np
 
 BATCH = 512
+
+
+# What llama-cpp-python built with its defaults (native CPU flags) needs to leave out where the
+# CPU has AMX: every x86 level but that one.
+NO_AMX_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+    "-DGGML_AVX512_BF16=ON"
+)
+
+
+def amx_warning(system_info: str) -> str | None:
+    """A warning where llama.cpp's build uses its AMX kernels (`AMX_INT8 = 1` in
+    `llama_print_system_info()`): they crash the process on some machines, which ends the
+    whole bench with no message of ours (llama.cpp issue 20824; seen on an Intel Xeon with the
+    1B Q4_K_M file, on every batch of 8 tokens or more)."""
+    if "AMX_INT8 = 1" not in system_info:
+        return None
+    return (
+        "warning: llama.cpp uses AMX here (AMX_INT8 = 1), whose kernels crash with a "
+        "segmentation fault on some machines (llama.cpp issue 20824). If the bench dies that "
+        f'way, rebuild llama-cpp-python without AMX: CMAKE_ARGS="{NO_AMX_CMAKE_ARGS}" '
+        "pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python"
+    )
 
 
 def new_llama(lib: Any, gguf: Path, n_ctx: int, threads: int) -> Any:
@@ -69,6 +94,9 @@ class LlamaCppPeer:
         self.threads = threads
         self.n_ctx = -(-max(n_ctx, BATCH) // 256) * 256
         self.version = llama_cpp.__version__
+        warning = amx_warning(llama_cpp.llama_print_system_info().decode(errors="replace"))
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
         self.llm = self._new()
         self.n_vocab = self.llm.n_vocab()
         self._tmp = tempfile.TemporaryDirectory(prefix="strata-llama-cpp-")
