@@ -116,6 +116,7 @@ fn dequantized(kv: &KvLayer) -> (Vec<f32>, Vec<f32>) {
 
 /// Every ISA this CPU can run.
 fn isas() -> Vec<Isa> {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut v = vec![Isa::Plain];
     #[cfg(target_arch = "x86_64")]
     {

@@ -815,6 +815,7 @@ mod tests {
     }
 
     fn available_isas() -> Vec<Isa> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
@@ -1270,8 +1271,9 @@ mod timing {
             .collect();
         let (m, k, n) = (shape[0], shape[1], shape[2]);
         let isa = match std::env::var_os("TIMING_AVX2") {
+            #[cfg(target_arch = "x86_64")]
             Some(_) => Isa::Avx2,
-            None => Isa::detect(),
+            _ => Isa::detect(),
         };
         let copies = ((512 << 20) / (m * k * 2)).max(1);
         let w: Vec<bf16> = (0..m * k * copies)

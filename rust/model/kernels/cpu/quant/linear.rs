@@ -175,6 +175,7 @@ impl Isa {
     /// Every path this CPU can run (the tests run each).
     #[cfg(test)]
     pub(super) fn available() -> Vec<Isa> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
