@@ -38,7 +38,8 @@ pub(super) unsafe fn rows(w: &QuantMatRef, r0: usize, r1: usize, act: &Act, out:
         "interleaved rows start at a group"
     );
     // Software prefetch of the group's stream on Intel's cores only: there it read the
-    // weights from DRAM faster, on AMD's Zen 4 slower (docs/benchmarks.md, "Intel").
+    // weights from DRAM faster, on AMD's Zen 4 slower (docs/benchmarks.md, "First run on an
+    // Intel Xeon").
     match (w.ty, super::super::isa::cpu().intel) {
         (QuantType::Q4_K, false) => drive::<K4, false>(w, r0, r1, act, out),
         (QuantType::Q5_K, false) => drive::<K5, false>(w, r0, r1, act, out),
